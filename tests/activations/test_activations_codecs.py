@@ -22,6 +22,7 @@ from mixprec.activations.codecs import (
     Centered,
     CenteredSaved,
     Fp8Saved,
+    NearOne,
     Reshaped,
     ToBfloat16,
     ToFp8,
@@ -268,7 +269,9 @@ def test_a_tensor_saved_twice_in_a_forward_is_stored_once_also_as_a_reshaped_vie
 
 def mlp(width: int = 256, depth: int = 6) -> nn.Module:
     torch.manual_seed(0)
-    layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]
+    # (ReLU: its output, the next Linear's input, is stored as the codec stores it; a
+    # tanh's is stored near one, in bfloat16's bytes under fp8 too)
+    layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
@@ -279,7 +282,7 @@ def test_storage_options_shrink_the_saved_activations_and_the_step_peak(option, 
     stored = mixprec.apply(mlp(), mixprec.PolicyMap("32-true", activations=option))
     assert wrapped(stored) == {"": option}
     kept, small = sum(saved_bytes(plain, x).values()), sum(saved_bytes(stored, x).values())
-    assert kept == 6 * 512 * 256 * 4  # each Tanh's output (the next Linear's input), float32
+    assert kept == 6 * 512 * 256 * 4  # each ReLU's output (the next Linear's input), float32
     assert small <= at_most * kept
 
     def step(model):
@@ -321,7 +324,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = (z.view(b, t, 4, 16).transpose(1, 2) for z in self.qkv(x).split(64, dim=2))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(torch.tanh(y.transpose(1, 2).reshape(b, t, 64)))
+        return self.out(torch.relu(y.transpose(1, 2).reshape(b, t, 64)))
 
 
 def stored_bytes(model, x):
@@ -345,11 +348,11 @@ def test_under_fp8_attentions_saves_are_stored_in_bfloat16_at_most():
     fp8 = mixprec.apply(Attention(), mixprec.PolicyMap("32-true", activations="fp8"))
     saved = stored_bytes(fp8, x)
     assert sorted(n for s, n in saved if s == heads) == [2 * 2 * 4 * 32 * 16] * 4  # bfloat16
-    tanh = [n for s, n in saved if s == (2, 32, 64)]
-    assert tanh == [2 * 32 * 64 + 4 * 2 * 32 * 64 // FP8.block]  # fp8: a byte each, a scale a block
+    relu = [n for s, n in saved if s == (2, 32, 64)]
+    assert relu == [2 * 32 * 64 + 4 * 2 * 32 * 64 // FP8.block]  # fp8: a byte each, a scale a block
 
     def inside(option):  # attention in a module of `option` inside an fp8 model
-        model = nn.Sequential(Attention(), nn.Tanh())
+        model = nn.Sequential(Attention(), nn.ReLU())
         policy = mixprec.PolicyMap("32-true", activations={"": "fp8", "0": option})
         return [n for s, n in stored_bytes(mixprec.apply(model, policy), x) if s == heads]
 
@@ -367,7 +370,7 @@ def test_under_fp8_multihead_attention_saves_as_bf16_stores_them():
     saved = stored_bytes(model, torch.randn(2, 32, 64))
     bf16 = 2 * 2 * 32 * 64  # bytes of a (2, 32, 64) activation in bfloat16
     # attention's query, key, value and output; the output projection's input, the output
-    # through a transpose, reads the output's copy; tanh's output, outside it, in fp8
+    # through a transpose, reads the output's copy; relu's output, outside it, in fp8
     assert saved == [((2, 4, 32, 16), bf16)] * 4 + [
         ((2, 32, 64), 2 * 32 * 64 + 4 * 2 * 32 * 64 // FP8.block)
     ]
@@ -379,7 +382,7 @@ class Attend(nn.Module):
         self.mha = mha
 
     def forward(self, x):
-        return self.mha(x, x, x, need_weights=False)[0].tanh()
+        return self.mha(x, x, x, need_weights=False)[0].relu()
 
 
 class _Overwrites(nn.Module):
@@ -603,7 +606,7 @@ class _LastRows(nn.Module):
         self.lin = nn.Linear(64, 2048)
 
     def forward(self, x):
-        h = torch.tanh(self.lin(x))  # (64, 2048): stored in fp8
+        h = torch.relu(self.lin(x))  # (64, 2048): stored in fp8
         c = h[:2, :100]  # 200 elements, under a block
         return h.sum() + (c * c).sum()  # its product saves the small view
 
@@ -1226,6 +1229,165 @@ def test_a_sigmoids_output_is_stored_as_its_distance_from_one(option, sigmoid):
     elements = 64 * 256
     stored = 2 * elements if option == "bf16" else elements + 4 * elements // FP8.block
     assert saved[None] == 2 * 4 * elements and saved[option] == stored + 2 * elements
+
+
+_TANHS = [
+    torch.tanh,
+    nn.Tanh(),
+    F.tanh,
+    lambda t: (t * 1.0).tanh_(),
+    torch.ops.aten.tanh,
+    torch.ops.aten.tanh.default,
+]
+_TANH_IDS = ["torch.tanh", "nn.Tanh", "F.tanh", "Tensor.tanh_", "aten.tanh", "aten.tanh.default"]
+
+
+class _Squashed(nn.Module):
+    """A tanh-squashed policy's action ``a`` and ``a^2`` (saving ``a`` again), whose
+    log-density ``-log(1 - a^2 + eps)`` divides by what tanh's backward multiplies by."""
+
+    def __init__(self, tanh) -> None:
+        super().__init__()
+        self.lin, self.tanh = nn.Linear(8, 256), tanh
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.tanh(self.lin(x))
+        return a, a.pow(2)
+
+
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+@pytest.mark.parametrize("tanh", _TANHS, ids=_TANH_IDS)
+def test_a_tanhs_output_is_stored_as_its_distance_from_one(option, tanh):
+    """Found by a review: tanh's output ``a`` was stored rounded near +-1, and its
+    backward's ``1 - a^2``, which a tanh-squashed policy's log-density (SAC's) divides by,
+    was lost: the weight's gradient 89% off keep's under bf16, 95% under fp8. Stored as
+    its distance from -1 or 1 (as bf16 stores it under fp8), within rounding of keep's; the
+    square saving the same output stores nothing more."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    grads, saved = {}, {}
+    for activations in (None, option):
+        torch.manual_seed(0)
+        model = _Squashed(tanh)
+        with torch.no_grad():
+            model.lin.bias.copy_(torch.linspace(-8.0, 8.0, 256))  # (1 - |a| down to 2e-7)
+        model = mixprec.apply(model, mixprec.PolicyMap("32-true", activations=activations))
+        saved[activations] = sum(saved_bytes(model, x).values())
+        _, squared = model(x)
+        (-(1.0 - squared + 1e-6).log().mean()).backward()
+        grads[activations] = model.lin.weight.grad
+    error = (grads[option] - grads[None]).norm() / grads[None].norm()
+    assert error < 0.01
+    elements = 64 * 256  # (a, saved by tanh and by the square: once, in bfloat16's bytes)
+    assert saved[None] == 4 * elements and saved[option] == 2 * elements
+
+
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+def test_a_16_bit_tanhs_output_is_kept_as_it_is_under_fp8(option):
+    """Found by a review: a bfloat16 tanh output (bf16-mixed) was stored in fp8 codes, 40%
+    off keep's in a squashed policy's gradient. Under fp8 it is stored as bf16 stores it,
+    as it is (a copy, which the square shares): the gradients are keep's, bit for bit."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    grads, saved = {}, {}
+    for activations in (None, option):
+        torch.manual_seed(0)
+        model = _Squashed(torch.tanh)
+        with torch.no_grad():
+            model.lin.bias.copy_(torch.linspace(-8.0, 8.0, 256))
+        model = mixprec.apply(
+            model.bfloat16(), mixprec.PolicyMap("bf16-true", activations=activations)
+        )
+        saved[activations] = sum(saved_bytes(model, x.bfloat16()).values())
+        _, squared = model(x.bfloat16())
+        (-(1.0 - squared.float() + 1e-6).log().mean()).backward()
+        grads[activations] = model.lin.weight.grad
+    assert torch.equal(grads[option], grads[None])
+    assert saved[option] == saved[None] == 2 * 64 * 256
+
+
+@pytest.mark.parametrize("inner", [ToBfloat16(), ToFp8()], ids=["bf16", "fp8"])
+def test_a_tanhs_output_decodes_exactly_where_its_encode_is_exact(inner):
+    """Found by a review: tanh's output was stored rounded near +-1. Stored as its distance
+    from -1 or 1, a value the stored form holds exactly (-0, a dyadic fraction's distance
+    from 1, +-1 as an infinite reciprocal) reads back bit for bit, NaN as NaN; every other
+    value's distance keeps bfloat16's relative precision (to float32's last step below 1,
+    where the decoded value lies); a 16-bit output reads back as it is."""
+    exact = [-1.0, -0.75, -0.5, -0.0, 0.0, 0.25, 0.5, 0.75, 1 - 2.0**-20, 1.0, -(1 - 2.0**-24)]
+    near = (1.0 - torch.logspace(-7.2, -0.31, 53)).tolist()  # (1 - |a| from 6e-8 to 0.49)
+    values = torch.tensor(exact + near + [-v for v in near] + [torch.nan])
+    given = values.clone().requires_grad_()
+    t = given * 1.0  # (an activation)
+    codec = NearOne(inner, signed=True)
+    read = codec.unpack(codec.pack(t))
+    assert read.dtype == torch.float32
+    count = len(exact)
+    assert torch.equal(read[:count].view(torch.int32), values[:count].view(torch.int32))
+    assert read[-1].isnan()
+    distance, got = 1.0 - values[count:-1].abs(), 1.0 - read[count:-1].abs()
+    assert torch.equal(read[count:-1].sign(), values[count:-1].sign())
+    # (bfloat16's rounding of it, and float32's last step of a decoded value below 1)
+    assert ((got - distance).abs() <= distance * 2.0**-8 * 1.01 + 2.0**-25).all()
+    if inner.name == "fp8":  # (16-bit: as it is)
+        sixteen = (values.bfloat16().requires_grad_() * 1.0)[:-1]
+        assert torch.equal(codec.unpack(codec.pack(sixteen)), sixteen)
+
+
+class _Probabilities(nn.Module):
+    """A confident classifier's probabilities over 64 classes, by ``softmax``."""
+
+    def __init__(self, softmax) -> None:
+        super().__init__()
+        self.lin, self.softmax = nn.Linear(8, 64), softmax
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.softmax(self.lin(x))
+
+
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "softmax",
+    [
+        lambda t: torch.softmax(t, -1),
+        nn.Softmax(-1),
+        lambda t: F.softmax(t, -1),
+        lambda t: t.softmax(-1),
+        lambda t: torch.special.softmax(t, -1),
+        lambda t: torch.ops.aten._softmax(t, -1, False),
+        lambda t: torch.ops.aten.softmax.int(t, -1),
+        lambda t: nn.Softmin(-1)(-t),
+    ],
+    ids=[
+        "torch",
+        "nn.Softmax",
+        "F",
+        "Tensor",
+        "special",
+        "aten._softmax",
+        "aten.softmax",
+        "softmin",
+    ],
+)
+def test_a_softmaxs_output_is_stored_as_its_distance_from_one(option, softmax):
+    """Found by a review: softmax's output was stored rounded, and its backward
+    ``p (g - sum(g p))`` cancels for a confident ``p``: an unlikelihood loss,
+    ``-log1p(-p)`` of the model's own top class, had its weight's gradient 30% off keep's
+    under bf16 and 5% under fp8. Stored as a sigmoid's is (its distance from 0 or 1, as
+    bf16 stores it under fp8), it is within rounding of keep's."""
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    grads, saved = {}, {}
+    for activations in (None, option):
+        torch.manual_seed(0)
+        model = _Probabilities(softmax)
+        with torch.no_grad():
+            model.lin.weight.mul_(12.0)  # (1 - p of the top class down to 1e-5)
+        model = mixprec.apply(model, mixprec.PolicyMap("32-true", activations=activations))
+        saved[activations] = sum(saved_bytes(model, x).values())
+        p = model(x)
+        top = p.detach().argmax(-1, keepdim=True)
+        (-torch.log1p(-p.gather(1, top)).mean()).backward()
+        grads[activations] = model.lin.weight.grad
+    error = (grads[option] - grads[None]).norm() / grads[None].norm()
+    assert error < 0.01
+    assert saved[None] == 4 * 32 * 64 and saved[option] == 2 * 32 * 64
 
 
 class _Squares(torch.autograd.Function):

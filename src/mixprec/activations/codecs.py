@@ -728,30 +728,49 @@ _BF16 = ToBfloat16()
 @dataclass(frozen=True)
 class NearOneSaved:
     """A saved tensor as `NearOne` keeps it: what ``codec`` stored of its distances from 0
-    or 1 (a tensor as it is where ``codec`` is None), and the dtype to decode it back to."""
+    or 1 (a tensor as it is where ``codec`` is None), and the dtype to decode it back to;
+    `signed`: a tanh's output, ``inner`` its bfloat16 form (`NearOne.encode`) or, of its
+    dtype, its copy as it was."""
 
     inner: Any
     codec: Codec | None
     dtype: torch.dtype
+    signed: bool = False
 
     def read(self) -> Tensor:
+        if self.signed:
+            return self.inner if self.inner.dtype == self.dtype else _untailed(self.inner)
         near = self.inner if self.codec is None else self.codec.decode(self.inner)
         return torch.where(near.signbit(), near + 1.0, near).to(self.dtype)
 
 
-class NearOne(Codec):
-    """A sigmoid's output ``p`` (in [0, 1]) stored as its distance from the nearer of 0 and
-    1: ``p`` up to one half, ``-(1 - p)`` past it (the sign says which; ``1 - p`` is exact
-    there). Stored as it is, a confident ``p`` rounds to 1 and the backward's ``p (1 - p)``,
-    which a binary cross-entropy of ``p`` divides by, is lost; stored so, ``1 - p`` keeps
-    its relative precision. By ``inner`` under ``bf16``; under ``fp8`` as ``bf16`` stores
-    it (float32 as bfloat16, 16-bit as it is): one fp8 scale for a block holding values
-    near one half flushed a ``1 - p`` under about 2e-6 to 0, and a confidently wrong
-    prediction's gradient with it."""
+def _untailed(stored: Tensor) -> Tensor:
+    """A float32 tanh output from its bfloat16 form (`NearOne.encode`): past 1 in magnitude
+    ``copysign(1 - 1 / |s|, s)`` (an infinity: +-1 exactly), elsewhere ``s``; computed in
+    place on the one float32 tensor returned."""
+    far = stored.abs() > 1.0
+    out = stored.to(torch.float32)
+    out.abs_().reciprocal_().neg_().add_(1.0).copysign_(stored)
+    return torch.where(far, out, stored, out=out)
 
-    def __init__(self, inner: Codec) -> None:
+
+class NearOne(Codec):
+    """A sigmoid's or a softmax's output ``p`` (in [0, 1]) stored as its distance from the
+    nearer of 0 and 1: ``p`` up to one half, ``-(1 - p)`` past it (the sign says which;
+    ``1 - p`` is exact there). Stored as it is, a confident ``p`` rounds to 1 and the
+    backward's ``p (1 - p)``, which a binary cross-entropy of ``p`` divides by, is lost;
+    stored so, ``1 - p`` keeps its relative precision. By ``inner`` under ``bf16``; under
+    ``fp8`` as ``bf16`` stores it (float32 as bfloat16, 16-bit as it is): one fp8 scale for
+    a block holding values near one half flushed a ``1 - p`` under about 2e-6 to 0, and a
+    confidently wrong prediction's gradient with it. `signed`: a tanh's output ``a`` (in
+    [-1, 1]; its backward reads ``1 - a^2``), float32 stored in bfloat16 under both as
+    ``a`` up to one half in magnitude and ``copysign(1 / (1 - |a|), a)`` past it (at least 2
+    in magnitude: the regions stay apart once rounded; +-1 is an infinity, read back
+    exactly), 16-bit under ``fp8`` as a copy as it is."""
+
+    def __init__(self, inner: Codec, signed: bool = False) -> None:
         super().__init__()
-        self.inner, self.name = inner, inner.name
+        self.inner, self.name, self.signed = inner, inner.name, signed
         self.store = _BF16 if inner.name == "fp8" else inner
         # the inner codec's record of what it packed, shared: the output saved again by
         # another function (a gate's product) is stored once, as here, and either decodes it
@@ -761,6 +780,15 @@ class NearOne(Codec):
         return t.numel() >= FP8.block and self.inner.stores(t)
 
     def encode(self, t: Tensor) -> Any:
+        if self.signed:
+            if t.dtype != torch.float32:  # (16-bit: a copy, as the output may be written to)
+                return NearOneSaved(t.clone(), None, t.dtype, signed=True)
+            near = t.abs()
+            far = near > 0.5  # (NaN stays in the middle)
+            near.neg_().add_(1.0).reciprocal_().copysign_(t)  # (1 - |a| exact past 1/2)
+            # (in bfloat16's range or infinite: what `ToBfloat16` stores, without its clamp)
+            stored = torch.where(far, near, t, out=near).to(torch.bfloat16)
+            return NearOneSaved(stored, None, t.dtype, signed=True)
         near = torch.where(t > 0.5, (1.0 - t).neg_(), t)  # (1 - 1 is +0: -0 marks it)
         if self.store is _BF16 and near.dtype != torch.float32:  # (16-bit: as it is)
             return NearOneSaved(near, None, t.dtype)

@@ -285,11 +285,24 @@ _NEAR_ONE = frozenset(
 )
 # sigmoids, whose output p the backward's p (1 - p) reads, which a binary cross-entropy of p
 # divides by: rounded, a confident p's gradient is lost (nn.Sigmoid then nn.BCELoss). Their
-# output is stored as its distance from 0 or 1 (`NearOne`), at the codec's bytes.
+# output is stored as its distance from 0 or 1 (`NearOne`), at the codec's bytes. So is a
+# softmax's (a softmin's), whose backward p (g - sum(g p)) cancels for a confident p (a
+# cross-entropy of a softmax probability, an unlikelihood loss's -log1p(-p)); not a
+# log-softmax's, whose backward reads exp(output), rounded relative to itself. Each saves
+# its output alone, which `NearOne` takes for a value in its range
 _SIGMOIDS = frozenset(
     [torch.sigmoid, torch.sigmoid_, _T.sigmoid, _T.sigmoid_, F.sigmoid, torch.special.expit]
-    + [torch.ops.aten.sigmoid, torch.ops.aten.sigmoid_]
+    + [_A.sigmoid, _A.sigmoid_]
 )
+_SOFTMAXES = frozenset(
+    [torch.softmax, _T.softmax, F.softmax, torch.special.softmax, _A.softmax, _A._softmax]
+    + [F.softmin]
+)
+# tanh, whose output a the backward's 1 - a^2 reads (a tanh-squashed policy's log-density
+# divides by it): stored as its distance from -1 or +1 (`NearOne`, signed)
+_TANHS = frozenset([torch.tanh, torch.tanh_, _T.tanh, _T.tanh_, F.tanh, _A.tanh, _A.tanh_])
+# whether each of those outputs is signed (a tanh's)
+_NEAR_ONE_OUTPUTS = {**dict.fromkeys(_SIGMOIDS | _SOFTMAXES, False), **dict.fromkeys(_TANHS, True)}
 # functions whose backward subtracts saved values of about the same size, each rounded on
 # its own: a log-sum-exp's exp(input - result), a layer norm's or a variance's
 # input - mean, a distance's (cdist, dist, pdist) or a regression loss's input - other, a
@@ -430,7 +443,8 @@ class _SavesByFunction(TorchFunctionMode):
       (`_CANCELLING`: logsumexp, var, mse_loss), and under fp8 of those dividing by a saved
       value (`_DIVIDING`: log, division, sqrt), are kept exact; a layer, group or instance
       norm's input (`_ROW_NORMS`) is stored centred on its rows' means (`Centered`), a
-      sigmoid's output (`_SIGMOIDS`) as its distance from 0 or 1 (`NearOne`).
+      sigmoid's or softmax's output (`_SIGMOIDS`, `_SOFTMAXES`) as its distance from 0 or
+      1, a tanh's (`_TANHS`) from -1 or 1 (`NearOne`).
 
     Only where the innermost saved-tensor hooks are a storing codec's (a module inside
     keeping, recomputing or offloading has its way). Every other call runs as it is."""
@@ -451,7 +465,7 @@ class _SavesByFunction(TorchFunctionMode):
         elif _op(func) in _ROW_NORMS:
             # (a call whose input or rows are not found: kept exact)
             norm, hooks = _centred(func, args, kwargs), _EXACT
-        elif _op(func) in _SIGMOIDS:
+        elif _op(func) in _NEAR_ONE_OUTPUTS:
             hooks = None
         else:
             return func(*args, **kwargs)
@@ -472,7 +486,7 @@ class _SavesByFunction(TorchFunctionMode):
                 args, kwargs = _with_input(args, kwargs, given)
             hooks = Centered(codec, given, row)
         elif hooks is None:
-            hooks = NearOne(codec)
+            hooks = NearOne(codec, signed=_NEAR_ONE_OUTPUTS[_op(func)])
         with saved_tensors_hooks(hooks.pack, hooks.unpack):
             return func(*args, **kwargs)
 
