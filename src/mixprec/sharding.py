@@ -207,11 +207,22 @@ class _UnitAutocast:
             return forward(*args, **kwargs)
 
 
+def default_reduce_dtype(policy: Policy) -> torch.dtype:
+    """The dtype a unit stored under `policy` reduce-scatters its gradients in when none is
+    given: float32, or the parameters' dtype where it is wider (float64 under "64-true",
+    whose gradients float32 would round)."""
+    stored = policy.param_dtype
+    if stored.is_floating_point and torch.finfo(stored).bits > 32:
+        return stored
+    return torch.float32
+
+
 def mixed_precision_policy(
-    policy: Policy, *, enclosing: Policy | None, reduce_dtype: torch.dtype = torch.float32
+    policy: Policy, *, enclosing: Policy | None, reduce_dtype: torch.dtype | None = None
 ) -> MixedPrecisionPolicy:
     """FSDP2's settings for one unit computing under `policy` inside a unit computing under
-    `enclosing` (None: the root).
+    `enclosing` (None: the root); gradients reduced in `reduce_dtype` (None:
+    `default_reduce_dtype`).
 
     Parameters are all-gathered in the compute dtype; inputs are cast to it by `shard`'s own
     hook (`_cast_inputs`), not FSDP2's plain cast, which made a mask's float32 lowest value an
@@ -227,7 +238,7 @@ def mixed_precision_policy(
         output = None
     return MixedPrecisionPolicy(
         param_dtype=policy.compute_dtype,
-        reduce_dtype=reduce_dtype,
+        reduce_dtype=default_reduce_dtype(policy) if reduce_dtype is None else reduce_dtype,
         output_dtype=output,
         cast_forward_inputs=False,
     )
@@ -257,10 +268,12 @@ def _check_ready(
             f"mesh must be None (the default process group) or a torch DeviceMesh, got "
             f"{type(mesh).__name__}"
         )
-    if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point:
+    if reduce_dtype is not None and (
+        not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point
+    ):
         raise TypeError(
-            f"reduce_dtype must be a floating torch.dtype (torch.float32, torch.bfloat16), "
-            f"got {reduce_dtype!r}"
+            f"reduce_dtype must be None (the default) or a floating torch.dtype "
+            f"(torch.float32, torch.bfloat16), got {reduce_dtype!r}"
         )
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
     if isinstance(model, wrappers) or compiled_wrapper(model):
@@ -441,7 +454,7 @@ def shard(
     optimizer: torch.optim.Optimizer | None = None,
     optimizer_factory: OptimizerFactory | None = None,
     scaler: LossScaler | None = None,
-    reduce_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype | None = None,
     master_weights: bool | None = None,
     allow_slow: bool = False,
 ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
@@ -455,7 +468,7 @@ def shard(
     their param dtype (float32 masters) and computes in its compute dtype; a "true" policy's
     storage (parameters, floating buffers but float8's float32 delayed scales) is cast
     before sharding, as FSDP2 keeps the dtype it finds. Gradients are reduced in
-    `reduce_dtype`.
+    `reduce_dtype`; by default float32, or a unit's parameter dtype where wider (float64).
 
     Raises `PrecisionError` before touching the model when torch.distributed is not
     initialised (and no `mesh` is given); when `optimizer` holds the model's unsharded

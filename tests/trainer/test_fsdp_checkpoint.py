@@ -715,3 +715,73 @@ def test_a_sharded_checkpoint_of_a_map_with_states_rules_names_them_when_refused
     plain = Trainer(precision="32-true", strategy="fsdp", devices=1, max_steps=4, **RUN)
     with pytest.raises(CheckpointError, match=r"states=\{'blocks\\\\\.0': 'int8'\}\), this run"):
         plain.fit(ShardedDropoutNet(), one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
+
+
+class Momentum(ShardedDropoutNet):
+    """SGD with momentum: float16 weights without masters stay finite under it (AdamW's eps
+    is 0 in float16, and its first zero moment makes a NaN)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class StartState(Callback):
+    """The model's weights and the optimizer's state by parameter name as the fit starts (a
+    resume's loaded), and each master beside its weight."""
+
+    def on_fit_start(self, trainer, model):
+        [opt] = trainer.optimizers
+        self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.states, self.masters = {}, {}
+        for name, p in model.named_parameters():
+            master = opt.master_params.get(p, p) if hasattr(opt, "master_params") else p
+            self.masters[name] = master.detach().clone()
+            self.states[name] = {k: v.clone() for k, v in opt.optimizer.state[master].items()}
+
+
+@pytest.mark.parametrize(
+    ("saved_as", "resumed_as"),
+    [
+        (Precision("bf16-true", allow_slow=True),
+         Precision("bf16-true", master_weights=True, allow_slow=True)),
+        (Precision("16-true", master_weights=False, allow_slow=True),
+         Precision("16-true", allow_slow=True)),
+    ],
+    ids=["bf16-true", "16-true"],
+)  # fmt: skip
+def test_a_sharded_checkpoint_resumes_on_one_device_keeping_float32_masters(
+    tmp_path, saved_as, resumed_as
+):
+    """Found by a review: an FSDP checkpoint of a 16-bit "true" run (FSDP keeps no masters
+    beside 16-bit shards) resumed by a one-device run keeping float32 masters failed with a
+    bare KeyError from torch's get_state_dict (the optimizer holds the masters, which are
+    not the model's parameters). It loads as a file checkpoint saved without masters does:
+    the masters start from the loaded weights, the states as saved (widened)."""
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    Trainer(
+        precision=saved_as, strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
+        **RUN,
+    ).fit(Momentum(), one_rank_loader())  # fmt: skip
+    starts = []
+    for precision in (saved_as, resumed_as):  # (the first as saved: no masters)
+        start = StartState()
+        trainer = Trainer(
+            precision=precision, max_steps=3, callbacks=[start], enable_checkpointing=False,
+            **RUN,
+        )  # fmt: skip
+        trainer.fit(Momentum(), one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
+        assert trainer.global_step == 3
+        starts.append(start)
+    plain, masters = starts
+    assert masters.weights.keys() == plain.weights.keys() and plain.states
+    assert all(torch.isfinite(w).all() for w in plain.weights.values())
+    for name, weight in plain.weights.items():
+        assert torch.equal(masters.weights[name], weight), name
+        assert masters.masters[name].dtype == torch.float32
+        assert torch.equal(masters.masters[name], weight.float()), name
+        assert plain.states[name].keys() == masters.states[name].keys(), name
+        for key, value in plain.states[name].items():
+            assert masters.states[name][key].dtype == (
+                torch.float32 if key != "step" else value.dtype
+            ), (name, key)
+            assert torch.equal(masters.states[name][key].to(value.dtype), value), (name, key)

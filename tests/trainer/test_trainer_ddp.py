@@ -161,6 +161,47 @@ def test_lbfgs_under_ddp_keeps_the_ranks_together_and_matches_one_process(tmp_pa
         assert torch.allclose(p, r0["params"][name], atol=1e-5), name
 
 
+class Pooled(TrainingModule):
+    """A pooler the loss never uses: its parameters get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model()
+        self.pooler = nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_parameters_without_gradients_train_under_ddp_find_unused_parameters(tmp_path):
+    """Found by a review: a parameter that gets no gradient failed DDP at the second step
+    with torch's advice to pass find_unused_parameters=True to DistributedDataParallel,
+    which the Trainer builds: a Trainer user could not. ``DDP(find_unused_parameters=True)``
+    passes it, and without it the error says so."""
+    from mixprec.trainer import DDP
+
+    common = dict(devices=2, max_steps=3, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, seed=0)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"strategy=DDP\(find_unused_parameters=True\)"):
+        Trainer(strategy="ddp_fork", **common).fit(Pooled(), DataLoader(data(), batch_size=8))
+    settings = DDP(find_unused_parameters=True, start_method="fork")
+    trainer = Trainer(strategy=settings, callbacks=[DumpParams(tmp_path)], **common)
+    trainer.fit(Pooled(), DataLoader(data(), batch_size=8))
+    assert trainer.global_step == 3 and trainer.summary()["device"].endswith("(ddp)")
+    r0, r1 = ranks(tmp_path)
+    start = Pooled().state_dict()
+    for name, p in r0["params"].items():
+        assert torch.equal(p, r1["params"][name]), name
+    assert torch.equal(r0["params"]["pooler.weight"], start["pooler.weight"])  # unused
+    assert not torch.equal(r0["params"]["net.0.weight"], start["net.0.weight"])  # trained
+
+
 TORCHRUN_SCRIPT = """
 import sys
 import torch.nn.functional as F

@@ -161,6 +161,47 @@ def _island() -> dict[str, Any]:
     return {"head_error": max(errors), "calls": len(errors)}
 
 
+class _RaisesAfterFirstBatch(Callback):
+    """Raises after the first micro-batch of the first accumulation window."""
+
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        raise RuntimeError("callback error")
+
+
+def _refit(directory: Path) -> dict[str, Any]:
+    """A fit (2 micro-batches a step) raising inside its first window, caught; then the same
+    model fit again one batch a step (as is a fresh model, for comparison): FSDP2's gradient
+    sync flags after the raise, and both fits' weights exported."""
+
+    def trainer(k: int, **flags: Any) -> Trainer:
+        return Trainer(
+            precision="32-true", strategy="fsdp", devices=WORLD, max_steps=2, seed=0,
+            accumulate_grad_batches=k, **QUIET, **flags,
+        )  # fmt: skip
+
+    def fit(t: Trainer, model: nn.Module) -> None:
+        t.fit(model, DataLoader(data(), batch_size=8, shuffle=True), loss_fn=F.mse_loss,
+              optimizer=adamw)  # fmt: skip
+
+    model = BlockNet(tanh=True)
+    try:
+        fit(trainer(2, callbacks=[_RaisesAfterFirstBatch()]), model)
+        raised = False
+    except RuntimeError:
+        raised = True
+    flags = {
+        (name, group.reduce_grads, group.reshard_after_backward)
+        for name, m in model.named_modules()
+        if (group := getattr(getattr(m, "_get_fsdp_state", lambda: None)(), "_fsdp_param_group",
+                             None)) is not None
+    }  # fmt: skip
+    for name, net in (("refit", model), ("fresh", BlockNet(tanh=True))):
+        t = trainer(1)
+        fit(t, net)
+        t.save_full_state_dict(directory / f"{name}.pt")
+    return {"raised": raised, "flags": flags}
+
+
 def _worker(rank: int, out: str) -> None:
     directory = Path(out)
     step = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
@@ -176,6 +217,7 @@ def _worker(rank: int, out: str) -> None:
         "int8": _fit("fsdp", "int8_from_bf16-mixed", directory / "int8.pt"),
         "int8_ddp": _fit("ddp", "int8_from_bf16-mixed", directory / "int8_ddp.pt"),
         "island": _island(),
+        "refit": _refit(directory),
     }
     torch.save(results, directory / f"rank{rank}.pt")
 
@@ -285,6 +327,25 @@ def test_spawned_fsdp_returns_the_weights_to_the_callers_model(runs, tmp_path):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in _weights(exported).items())
     [checkpoint] = (tmp_path / "logs" / "version_0" / "checkpoints").iterdir()
     assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()  # sharded
+
+
+@pytest.mark.slow
+def test_a_refit_after_a_fit_raised_mid_window_trains_as_a_fresh_model(runs):
+    """Found by a review: a fit raising inside an accumulation window left the sharded model
+    with FSDP2's gradient sync off (`no_sync` set the flags and never restored them) and its
+    unsharded accumulated gradients in place (zero_grad does not reach them): a refit of the
+    model never reduced its gradients, so never trained, or added a stale micro-batch's.
+    The flags are restored on leaving each micro-batch, and a reused model is reset."""
+    out, ranks = runs
+    for r in ranks:
+        assert r["refit"]["raised"]
+        assert r["refit"]["flags"] and all(reduce and reshard for _, reduce, reshard
+                                           in r["refit"]["flags"])  # fmt: skip
+    refit, fresh = _weights(out / "refit.pt"), _weights(out / "fresh.pt")
+    start = BlockNet(tanh=True).state_dict()
+    assert max((fresh[k] - start[k]).abs().max().item() for k in start) > 0.01  # it trained
+    for k, v in fresh.items():
+        assert torch.equal(refit[k], v), k
 
 
 @pytest.mark.slow

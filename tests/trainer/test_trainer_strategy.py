@@ -36,6 +36,25 @@ def test_predict_runs_on_one_device_under_either_strategy(strategy):
         trainer.predict(nn.Linear(2, 2), [torch.zeros(1, 2)])
 
 
+def test_ddp_settings_reach_the_strategy_and_bad_ones_are_refused():
+    """Found by a review: DistributedDataParallel's find_unused_parameters could not be
+    passed through the Trainer (the strategy builds the wrapper); ``DDP(...)`` carries it,
+    as ``FSDP(...)`` carries FSDP's settings."""
+    from mixprec.trainer import DDP
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDP(find_unused_parameters=True),
+                      **QUIET)  # fmt: skip
+    assert isinstance(trainer.strategy, DDPStrategy) and trainer.strategy.name == "ddp"
+    assert trainer.strategy.settings.find_unused_parameters
+    assert trainer.strategy.start_method == "spawn"
+    forked = Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", **QUIET).strategy
+    assert forked.start_method == "fork" and not forked.settings.find_unused_parameters
+    with pytest.raises(ValueError, match="find_unused_parameters"):
+        DDP(find_unused_parameters="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="start_method"):
+        DDP(start_method="forkserver")
+
+
 def test_a_loggers_version_is_set_through_its_public_property(tmp_path):
     logger = CSVLogger(tmp_path)
     logger.version = 7

@@ -28,13 +28,14 @@ from mixprec.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
 from mixprec.trainer.loop import EmptyEpochError
 from mixprec.trainer.module import TrainingModule
 from mixprec.trainer.progress import RichProgressBar
-from mixprec.trainer.strategy import FSDP
+from mixprec.trainer.strategy import DDP, FSDP
 from mixprec.trainer.trainer import Trainer
 
 __all__ = [
     "CSVLogger",
     "Callback",
     "CheckpointError",
+    "DDP",
     "EarlyStopping",
     "EmptyEpochError",
     "FSDP",

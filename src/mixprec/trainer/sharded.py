@@ -25,9 +25,12 @@ in a single-device run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +127,46 @@ def _as_saved(optim_state: dict[str, Any], path: Path) -> None:
 
 def _inner(run: FitRun | Run) -> list[torch.optim.Optimizer]:
     return [opt.optimizer for opt in getattr(run, "optimizers", [])]
+
+
+@contextlib.contextmanager
+def _masters_as_params(run: FitRun | Run) -> Iterator[list[Any]]:
+    """The optimizers' float32 masters (a one-device run resuming a sharded checkpoint with
+    ``master_weights``) replaced in their groups and states by the model parameters they
+    stand for, which torch's ``get_state_dict`` names (it knew no masters and failed with a
+    bare KeyError), then put back, their loaded states widened to the masters' dtype. An
+    FSDP run keeps no masters beside 16-bit shards, so its checkpoint holds none: as a file
+    checkpoint saved without them, the masters are then taken from the loaded weights
+    (`restore`). Yields the wrappers whose masters were replaced."""
+    swaps = []
+    for lso in getattr(run, "optimizers", []):
+        inner, model_param = lso.optimizer, getattr(lso, "model_param", None)
+        if model_param is None:
+            continue
+        held = [p for g in inner.param_groups for p in g["params"]]
+        to_param = {m: model_param(m) for m in held if model_param(m) is not m}
+        if to_param:
+            swaps.append((lso, inner, to_param, {p: m for m, p in to_param.items()}))
+    for _, inner, to_param, _ in swaps:
+        for g in inner.param_groups:
+            g["params"] = [to_param.get(p, p) for p in g["params"]]
+        inner.state = defaultdict(dict, {to_param.get(p, p): s for p, s in inner.state.items()})
+    try:
+        yield [lso for lso, *_ in swaps]
+    finally:
+        for _, inner, _, to_master in swaps:
+            for g in inner.param_groups:
+                g["params"] = [to_master.get(p, p) for p in g["params"]]
+            state: dict[Any, Any] = defaultdict(dict)
+            for p, entry in inner.state.items():
+                master = to_master.get(p, p)
+                state[master] = {
+                    k: v.to(master.dtype)
+                    if k != "step" and torch.is_tensor(v) and v.dtype == p.dtype != master.dtype
+                    else v
+                    for k, v in entry.items()
+                }  # (torch's load cast them to the 16-bit parameter's dtype; widening is exact)
+            inner.state = state
 
 
 def _state_dicts(run: FitRun | Run) -> tuple[dict[str, Any], dict[str, Any], list[bool]]:
@@ -290,17 +333,22 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
                 f"{path}: its loss scaler state does not fit this run's: {error}. Nothing "
                 "was loaded"
             ) from error
-    model_state, optim_state, _ = _state_dicts(run)
-    _as_saved(optim_state, path)
-    _dcp_load({"model": model_state, "optim": optim_state}, path)
-    # (not strict: a parameter saved without state loads without one)
-    lenient = StateDictOptions(strict=False)
-    set_optimizer_state_dict(run.model, _inner(run), optim_state, options=lenient)
-    set_model_state_dict(run.model, model_state)
-    unstepped = state.get("optimizers_unstepped", [])  # (absent from older checkpoints)
-    for opt, empty in zip(_inner(run), unstepped, strict=False):
-        if empty:  # saved before its first real step: it resumes as it was, without state
-            opt.state.clear()
+    with _masters_as_params(run) as with_masters:
+        model_state, optim_state, _ = _state_dicts(run)
+        _as_saved(optim_state, path)
+        _dcp_load({"model": model_state, "optim": optim_state}, path)
+        # (not strict: a parameter saved without state loads without one)
+        lenient = StateDictOptions(strict=False)
+        set_optimizer_state_dict(run.model, _inner(run), optim_state, options=lenient)
+        set_model_state_dict(run.model, model_state)
+        unstepped = state.get("optimizers_unstepped", [])  # (absent from older checkpoints)
+        for opt, empty in zip(_inner(run), unstepped, strict=False):
+            if empty:  # saved before its first real step: it resumes as it was, without state
+                opt.state.clear()
+    with torch.no_grad():  # (the checkpoint has no masters: they start from its weights)
+        for lso in with_masters:
+            for param, master in lso.master_params.items():
+                master.copy_(param)
     for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
         s.scheduler.load_state_dict(saved)
     if fresh_scaler:

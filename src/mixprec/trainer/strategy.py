@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
+from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.errors import PrecisionError
 from mixprec.optim import check_sharded_masters
@@ -54,6 +55,7 @@ from mixprec.trainer.loggers import Logger
 T = TypeVar("T")
 
 __all__ = [
+    "DDP",
     "FSDP",
     "end_finished_process",
     "free_port",
@@ -133,7 +135,8 @@ class FSDP:
         wrap: ``(name, module) -> bool``, the modules sharded as units of their own (default:
             the blocks of top-level ModuleLists/Sequentials; float32 islands always are).
             A module-level function: spawned processes unpickle it.
-        reduce_dtype: the dtype gradients are reduce-scattered in (float32 by default;
+        reduce_dtype: the dtype gradients are reduce-scattered in (None, the default:
+            float32, or the parameters' dtype where wider, float64 under ``64-true``;
             float16 only under a loss-scaling precision, ``16-mixed``).
         sync_micro_batches: with ``accumulate_grad_batches > 1``, False (default) keeps each
             window's gradients unsharded and its parameters gathered between micro-batches
@@ -143,15 +146,16 @@ class FSDP:
     """
 
     wrap: Callable[[str, nn.Module], bool] | None = None
-    reduce_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
     sync_micro_batches: bool = False
 
     def __post_init__(self) -> None:
         if self.wrap is not None and not callable(self.wrap):
             raise ValueError(f"FSDP(wrap=...) must be (name, module) -> bool, got {self.wrap!r}")
-        if self.reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        floats = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        if self.reduce_dtype not in floats:
             raise ValueError(
-                f"FSDP(reduce_dtype=...) must be a float dtype, got {self.reduce_dtype!r}"
+                f"FSDP(reduce_dtype=...) must be None or a float dtype, got {self.reduce_dtype!r}"
             )
         if not isinstance(self.sync_micro_batches, bool):
             raise ValueError(
@@ -160,17 +164,50 @@ class FSDP:
             )
 
 
+@dataclass(frozen=True)
+class DDP:
+    """Settings of ``Trainer(strategy=DDP(...))``; ``strategy="ddp"`` is ``DDP()``,
+    ``strategy="ddp_fork"`` is ``DDP(start_method="fork")``.
+
+    Args:
+        find_unused_parameters: True when some parameters get no gradient in a step (a
+            pooler or a branch the loss does not use): DistributedDataParallel then marks
+            them ready after each forward (one walk of the autograd graph a step), where it
+            would otherwise wait for their gradients and fail at the next step ("Expected to
+            have finished reduction in the prior iteration").
+        start_method: how the Trainer starts the processes it launches: "spawn" (default:
+            fresh processes, forked from a server where it can) or "fork" (Linux, CPU).
+    """
+
+    find_unused_parameters: bool = False
+    start_method: str = "spawn"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.find_unused_parameters, bool):
+            raise ValueError(
+                "DDP(find_unused_parameters=...) must be True or False, got "
+                f"{self.find_unused_parameters!r}"
+            )
+        if self.start_method not in ("spawn", "fork"):
+            raise ValueError(
+                f"DDP(start_method=...) must be 'spawn' or 'fork', got {self.start_method!r}"
+            )
+
+
 def make_strategy(
-    accelerator: str, devices: int | str | list[int], strategy: str | FSDP
+    accelerator: str, devices: int | str | list[int], strategy: str | FSDP | DDP
 ) -> Strategy:
     """The strategy object for the Trainer's ``accelerator``, ``devices`` and ``strategy``."""
     settings = strategy if isinstance(strategy, FSDP) else FSDP()
+    ddp = strategy if isinstance(strategy, DDP) else None
     if isinstance(strategy, FSDP):
         strategy = "fsdp"
+    elif isinstance(strategy, DDP):
+        strategy = "ddp_fork" if strategy.start_method == "fork" else "ddp"
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(
             f"unknown strategy {strategy!r}; accepted: {', '.join(map(repr, STRATEGIES))} "
-            "or an FSDP(...) object"
+            "or an FSDP(...) or DDP(...) object"
         )
     accel = resolve_accelerator(accelerator)
     ids = resolve_devices(accel, devices)
@@ -183,7 +220,9 @@ def make_strategy(
         return SingleDeviceStrategy(device)
     if strategy == "fsdp":
         return FSDPStrategy(accel, ids, settings)
-    return DDPStrategy(accel, ids, start_method="fork" if strategy == "ddp_fork" else "spawn")
+    if ddp is None:
+        ddp = DDP(start_method="fork" if strategy == "ddp_fork" else "spawn")
+    return DDPStrategy(accel, ids, ddp)
 
 
 class Strategy(abc.ABC):
@@ -494,15 +533,39 @@ class ProcessGroupStrategy(Strategy):
 
 
 class DDPStrategy(ProcessGroupStrategy):
-    """One process per device; gradients all-reduced by DistributedDataParallel."""
+    """One process per device; gradients all-reduced by DistributedDataParallel, under the
+    ``DDP(...)`` settings."""
 
     name = "ddp"
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
+    def __init__(self, accelerator: str, device_ids: list[int], settings: DDP | None = None):
+        self.settings = settings or DDP()
+        super().__init__(accelerator, device_ids, start_method=self.settings.start_method)
 
+    def wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        return _DistributedDataParallel(
+            model, device_ids=ids, find_unused_parameters=self.settings.find_unused_parameters
+        )
+
+
+class _DistributedDataParallel(DistributedDataParallel):
+    """DistributedDataParallel whose forward says how to pass ``find_unused_parameters``
+    through the Trainer when torch's reducer asks for it (torch's own advice names an
+    argument of the wrapper, which the Trainer builds)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as err:
+            if self.find_unused_parameters or "find_unused_parameters" not in str(err):
+                raise
+            raise RuntimeError(
+                "DDP waited for gradients of parameters the last step's loss did not use (a "
+                "pooler, an unused branch): pass Trainer(strategy=DDP(find_unused_parameters="
+                "True)) (from mixprec.trainer import DDP), or make every parameter take part "
+                f"in the loss. torch said: {str(err).split('. ')[0]}"
+            ) from err
 
 
 class FSDPStrategy(ProcessGroupStrategy):
@@ -532,6 +595,7 @@ class FSDPStrategy(ProcessGroupStrategy):
                     "than this run's (precision or FSDP(...)); FSDP shards a module once: "
                     "build a new model, or use the same Trainer settings"
                 )
+            _reset_sharded(model)
             return True
         check_sharded_masters(
             {r.policy.param_dtype for r in precision.policy.resolve(model).values()},
@@ -581,10 +645,49 @@ class FSDPStrategy(ProcessGroupStrategy):
         root = getattr(wrapped, "module", wrapped)
         if self.settings.sync_micro_batches or not isinstance(root, FSDPModule):
             return contextlib.nullcontext()
-        # outside the window's last micro-batch: no reduce-scatter, no reshard after backward
-        root.set_requires_gradient_sync(sync)
-        root.set_reshard_after_backward(sync)
-        return contextlib.nullcontext()
+        return _fsdp_window(root, sync)
+
+
+@contextlib.contextmanager
+def _fsdp_window(root: nn.Module, sync: bool) -> Iterator[None]:
+    """One micro-batch of an accumulation window under FSDP2: outside the window's last, no
+    reduce-scatter and no reshard after backward. The flags are FSDP2's defaults again on
+    leaving, however it is left: a step that raised left them off, and a later run on the
+    model (a refit) then never reduced its gradients, so never trained."""
+    root.set_requires_gradient_sync(sync)  # type: ignore[operator]
+    root.set_reshard_after_backward(sync)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)  # type: ignore[operator]
+        root.set_reshard_after_backward(True)  # type: ignore[operator]
+
+
+def _reset_sharded(model: nn.Module) -> None:
+    """A model sharded by an earlier run, made as a fresh one for the next: FSDP2's gradient
+    sync and reshard flags at their defaults, the state of an iteration that raised (mid
+    forward or backward) dropped, and the unsharded gradients FSDP2 accumulates between a
+    window's micro-batches cleared (an optimizer's zero_grad does not reach them: a run that
+    raised inside a window left them, and the next run's first step added them to its own)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    reset = getattr(model, "reset_iter_state", None)  # (torch >= 2.12: waits, reshards)
+    if callable(reset):
+        reset()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        module.set_requires_gradient_sync(True, recurse=False)
+        module.set_reshard_after_backward(True, recurse=False)
+        # (FSDP2's private state, read with defaults: gone in another torch, nothing to clear)
+        state = getattr(module, "_get_fsdp_state", lambda: None)()
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            for param in getattr(group, "fsdp_params", ()):
+                if getattr(param, "unsharded_accumulated_grad", None) is not None:
+                    param.unsharded_accumulated_grad = None
+                unsharded = getattr(param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
 
 
 # what a fork server started here imports once for every process it forks
