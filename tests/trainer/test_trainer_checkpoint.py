@@ -1091,3 +1091,107 @@ def test_the_save_check_walks_a_shared_or_self_holding_state_once(tmp_path):
     looped.append(looped)
     assert list(ckpt_io.unusual_parts(looped)) == []
     ckpt_io.atomic_save({"state": shared}, tmp_path / "shared.ckpt")
+
+
+def same_contents(a, b, where: str = "") -> None:
+    """Assert two checkpoint states hold the same keys and values, tensors bit for bit."""
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            same_contents(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same_contents(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_a_save_after_fit_and_validate_is_the_save_right_after_the_fit(tmp_path):
+    """Found by a review: a validate or test after a fit made the Trainer forget the fit:
+    ``optimizers`` and ``lr_schedulers`` were [], ``num_training_batches`` None, and
+    save_checkpoint raised "call it during or after Trainer.fit", though called after one
+    (the docstrings say "of the current or last fit"). The save now holds what a save right
+    after the fit holds, bit for bit: the evaluation's reseeded generators, its metrics and
+    its fresh loss scaler (16-mixed, one step skipped) are not the fit's. One that loaded a
+    checkpoint into the fit's model is refused: its weights are no longer the fit's."""
+    train, val = loaders()
+    model = EpochScheduled(0, overflow_at=2)
+    t = trainer(tmp_path / "a", "16-mixed", max_steps=5)
+    t.fit(model, train, val)  # (stopped inside its epoch: the epoch's sums are saved)
+    right = ckpt_io.load(t.save_checkpoint(tmp_path / "right.ckpt"))
+    assert right["precision"]["scaler"]["scale"] != 65536.0  # (the skipped step halved it)
+    t.validate(model, val)
+    assert (len(t.optimizers), len(t.lr_schedulers), t.num_training_batches) == (1, 2, 12)
+    after = ckpt_io.load(t.save_checkpoint(tmp_path / "after.ckpt"))
+    same_contents(right, after)
+    t.validate(model, val, ckpt_path=tmp_path / "right.ckpt")
+    with pytest.raises(RuntimeError, match="validate loaded .*right.ckpt into the fit's model"):
+        t.save_checkpoint(tmp_path / "refused.ckpt")
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Random augmentation as a dataset's __getitem__ draws it (from torch's generator)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(96, 6, generator=g) * 0.1
+        self.y = (self.x[:, 0] > 0).long()
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.01 * torch.randn(6), self.y[i]
+
+
+def save_in(hook: str, epoch: int, batches_done: int, path: Path) -> Callback:
+    """A callback saving ``path`` once, in ``hook`` of the fit at that point."""
+
+    def save(self, trainer, model, *args):
+        at = (trainer.current_epoch, trainer.batches_done) == (epoch, batches_done)
+        if trainer.stage == "fit" and at and not path.exists():
+            trainer.save_checkpoint(path)
+
+    return type("SaveIn", (Callback,), {hook: save})()
+
+
+@pytest.mark.parametrize(
+    ("hook", "epoch", "batches_done"),
+    [
+        ("on_validation_end", 0, 4),
+        ("on_validation_batch_end", 0, 8),
+        ("on_validation_end", 0, 12),
+        ("on_train_batch_start", 0, 4),
+        ("on_train_batch_start", 1, 0),
+    ],
+)
+def test_a_save_in_a_validation_or_at_a_batch_start_resumes_bit_identically(
+    tmp_path, hook, epoch, batches_done
+):
+    """Found by a review: a checkpoint saved during a fit's validation held the random
+    generators as the validation had moved them (its DataLoader draws a seed at each pass),
+    while the run that never stopped goes on from those the validation restores: the
+    resumed run's dropout differed. One saved in on_train_batch_start held them after its
+    batch was fetched (a dataset's random augmentation drawn), and the resume fetches that
+    batch again: it drew other noise. Each now holds the states the run goes on from."""
+    train = DataLoader(Noisy(), batch_size=8, shuffle=True)
+    val = DataLoader(Noisy(), batch_size=48, shuffle=True)
+    path = tmp_path / "x.ckpt"
+    straight = DropoutNet(seed=0)
+    callback = save_in(hook, epoch, batches_done, path)
+    trainer(tmp_path / "a", "32-true", max_epochs=2, callbacks=[callback]).fit(straight, train, val)
+    assert path.exists()
+    loop = ckpt_io.load(path)["loop"]
+    assert (loop["epoch"], loop["batch"]) == (epoch, batches_done)
+    resumed = DropoutNet(seed=123)
+    t = trainer(tmp_path / "b", "32-true", max_epochs=2)
+    t.fit(resumed, train, val, ckpt_path=path)
+    assert t.global_step == 12
+    for (name, a), b in zip(
+        straight.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import io
+import math
 import pickle
 import signal
 import subprocess
@@ -1132,3 +1133,33 @@ def test_a_validation_that_logs_nothing_writes_no_row(tmp_path, empty):
         if event.HasField("summary")
     ]
     assert len(summaries) == 10 and all(s.value for s in summaries)
+
+
+class PerToken(TrainingModule):
+    """Logs a per-token value weighed by its batch's count of valid tokens (none in batch 1,
+    whose value is then a guarded 0.0)."""
+
+    def __init__(self, tokens: list[int], values: list[float]) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.tokens, self.values = tokens, values
+
+    def validation_step(self, batch, batch_idx):
+        count = self.tokens[batch_idx]
+        self.log("tok_loss", torch.tensor(self.values[batch_idx]), batch_size=count)
+
+
+def test_a_value_logged_with_batch_size_zero_weighs_nothing_in_the_epoch_mean():
+    """Found by a review: ``self.log(..., batch_size=0)`` was read as no batch size given
+    (``batch_size or inferred``): the value weighed as a full batch, and a per-token mean of
+    values 2, 0, 4 over 8, 0 and 8 tokens was logged as 2.0, not 3.0. Lightning infers only
+    when batch_size is None. An epoch whose values all weigh nothing logs NaN (the mean of
+    no samples, as Lightning's); a negative batch_size is refused."""
+    trainer = Trainer(logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    val = DataLoader(TensorDataset(torch.zeros(24, 4)), batch_size=8)
+    out = trainer.validate(PerToken([8, 0, 8], [2.0, 0.0, 4.0]), val)
+    assert out[0]["tok_loss"] == 3.0
+    out = trainer.validate(PerToken([0, 0, 0], [1.0, 2.0, 3.0]), val)
+    assert math.isnan(out[0]["tok_loss"])
+    with pytest.raises(ValueError, match=r"batch_size=-1.*0 or more"):
+        trainer.validate(PerToken([8, -1, 8], [2.0, 0.0, 4.0]), val)

@@ -236,6 +236,17 @@ class FitRun(Run):
     # the step's own values (loss, lr, scaler's) from its optimizer step until the end of
     # its batch, which takes its row (`log_step`)
     step_values: dict[str, Tensor | float] | None = None
+    # its run state as it ended (`resume.keep_run_state`), once a later evaluation of the
+    # Trainer would move what it is read from: a save after that is the save at the end
+    ended: dict[str, Any] | None = None
+    # the generator states a save now holds where they are not the current ones, but those
+    # the run goes on from (`resume.rank_state`): in a validation, those it puts back after
+    # it; in on_train_batch_start, those before its batch was fetched (a resume fetches it
+    # again), and at an epoch's first batch the training loader's generators too
+    held_rng: dict[str, Any] | None = None
+    # the states before the batch being trained was fetched, kept where on_train_batch_start
+    # is listened to (`train_epoch`)
+    fetch_rng: dict[str, Any] | None = None
 
     @property
     def in_window(self) -> bool:
@@ -364,6 +375,8 @@ def train_epoch(run: FitRun) -> None:
             "rank": run.strategy.global_rank,  # (whose they are: a checkpoint may carry them)
         }
         batches = iter(loader)
+        # (the states a save at the epoch's first batch resumes from: before its order)
+        run.fetch_rng = {"rng": run.epoch_rng["all"], "loader": run.epoch_rng["loader"]}
     else:
         # (checkpoints before it kept torch's alone; a file saved by rank 0 alone holds its
         # states only, and a rank's own numpy or Python order is its own: those replay
@@ -377,10 +390,12 @@ def train_epoch(run: FitRun) -> None:
         batches = iterate_from(
             loader,
             progress.batches_done,
-            lambda: restore_resume_rng(run),
+            functools.partial(_resumed, run),
             start_workers,
             first=functools.partial(_check_first_batch, run),
         )
+    if run.calls["on_train_batch_start", True, True]:  # (a save there: `train_batch`)
+        batches = _states_kept(run, batches)
     exhausted = run.epoch_finished = False
     run.log.start_timing()
     first = batch_idx = progress.batches_done
@@ -428,6 +443,30 @@ def train_epoch(run: FitRun) -> None:
     run.epoch_finished = finished
 
 
+def _resumed(run: FitRun) -> None:
+    """A resumed epoch's batches done are skipped: the generators go on as at the save,
+    from before the next batch is fetched."""
+    restore_resume_rng(run)
+    run.fetch_rng = {"rng": rng_states(), "loader": None}
+
+
+def _states_kept(run: FitRun, batches: Iterator[Any]) -> Iterator[Any]:
+    """``batches``, with the generator states before each is fetched kept in
+    ``run.fetch_rng`` (its random augmentation draws from them): a save in
+    ``on_train_batch_start`` holds them, and its resume fetches that batch again. The first
+    batch's are kept already (its epoch's start, or where a resume skipped to)."""
+    first = True
+    while True:
+        if not first:
+            run.fetch_rng = {"rng": rng_states(), "loader": None}
+        first = False
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        yield batch
+
+
 def ran_out(batches: Iterator[Any]) -> bool:
     """Whether the iterator is exhausted, looked up without moving the random generators (a
     checkpoint saved after the look resumes as if it had not been made); a batch it yields
@@ -462,8 +501,15 @@ def train_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
     batch = to_device(batch, run.device)
     if run.cast_batches:
         batch = run.precision.convert_input(batch)
-    for call in run.calls["on_train_batch_start", True, True]:
-        call(batch, batch_idx)
+    starts = run.calls["on_train_batch_start", True, True]
+    if starts:
+        # a save there holds the states before the batch was fetched (`_states_kept`)
+        run.held_rng = run.fetch_rng
+        try:
+            for call in starts:
+                call(batch, batch_idx)
+        finally:
+            run.held_rng = None
     run.progress.stepped_this_batch = False
     if run.closure:
         output = closure_step(run, batch, batch_idx)
@@ -727,7 +773,10 @@ def rows_after_save(run: FitRun) -> list[dict[str, float]]:
         rows.append({**run.step_values, **run.metrics.training_step_values(), **run.log.timing()})
     if run.epoch_finished:
         sums = run.metrics.training_epoch_sums()
-        rows.append({name: total / weight for name, (total, weight) in sums.items() if weight})
+        # (as `MetricStore.take_epoch` logs them: NaN where every value weighed nothing)
+        rows.append(
+            {name: total / weight if weight else math.nan for name, (total, weight) in sums.items()}
+        )
     return [
         {k: float(v.detach() if isinstance(v, Tensor) else v) for k, v in row.items()}
         for row in rows
@@ -825,12 +874,12 @@ def monitored_value(run: Run, s: Scheduler) -> float | None:
 
 
 @contextlib.contextmanager
-def rng_unchanged() -> Iterator[None]:
+def rng_unchanged() -> Iterator[dict[str, Any]]:
     """Run a block (validation) without moving the random generators training draws from,
-    so that how often one validates never changes the training run."""
+    so that how often one validates never changes the training run; yields their states."""
     states = rng_states()
     try:
-        yield
+        yield states
     finally:
         set_rng_states(states)
 
@@ -864,12 +913,17 @@ def run_eval(
     metrics_store.training = False
     if not isinstance(run, FitRun):  # a validate or test call: its rows are kept (`replay`)
         run.log.evaluating = True
+    held = run.held_rng if isinstance(run, FitRun) else None
     try:
-        with modes_kept(run.runner), rng_unchanged(), torch.no_grad():
+        with modes_kept(run.runner), rng_unchanged() as states, torch.no_grad():
+            if isinstance(run, FitRun):  # a save in it holds those training goes on from
+                run.held_rng = {"rng": states, "loader": None}
             run.runner.eval()
             return eval_pass(run, kind, loader, n)
     finally:
         metrics_store.training, metrics_store.batch_size = training, training_batch
+        if isinstance(run, FitRun):
+            run.held_rng = held
 
 
 def eval_pass(run: Run, kind: str, loader: Iterable[Any], n: int | None) -> dict[str, float]:

@@ -9,6 +9,8 @@ host synchronization per step; the progress bar shows what was read last.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
 import resource
 import time
@@ -125,6 +127,12 @@ class MetricStore:
         on_epoch = (not self.training) if on_epoch is None else on_epoch
         if not (on_step or on_epoch):
             raise ValueError(f"self.log({name!r}): on_step and on_epoch are both False")
+        # (a tensor's sign is not read: that would copy it back at every call)
+        if isinstance(batch_size, numbers.Real) and batch_size < 0:
+            raise ValueError(
+                f"self.log({name!r}, ..., batch_size={batch_size}): a batch size is the count "
+                "of samples the value stands for, 0 or more (0: it weighs nothing in the mean)"
+            )
         v = _scalar(name, value)
         both = on_step and on_epoch
         step_name = f"{name}_step" if both else name
@@ -136,8 +144,14 @@ class MetricStore:
             if sync_dist:
                 self._synced.add(step_name)
         if on_epoch:
-            inferred = self.batch_size if self._hook is None else None
-            weight = batch_size or inferred or 1
+            # an explicit 0 weighs nothing (a batch without valid tokens); inferred only
+            # where none is given, as in Lightning
+            if batch_size is not None:
+                weight = batch_size
+            elif self._hook is None and self.batch_size is not None:
+                weight = self.batch_size
+            else:
+                weight = 1
             self._add(self._epoch[self.training], epoch_name, v * weight, weight)
         if prog_bar:
             self.prog_bar.update({step_name, epoch_name} if both else {name})
@@ -203,8 +217,11 @@ class MetricStore:
         # a ratio of means over processes is the ratio of sums: the weighted mean of all
         reduced = mean(torch.stack([totals, weights]))
         store.clear()
+        # (values that all weighed nothing, batch_size=0: the mean of no samples is NaN, as
+        # in Lightning, rather than a name that vanishes from what monitors read)
         return {
-            n: float(t / w) for n, t, w in zip(names, reduced[0], reduced[1], strict=True) if w > 0
+            n: float(t / w) if w > 0 else math.nan
+            for n, t, w in zip(names, reduced[0], reduced[1], strict=True)
         }
 
     def training_epoch_sums(self) -> dict[str, list[Any]]:

@@ -55,11 +55,13 @@ def rank_state(run: FitRun) -> dict[str, Any]:
     generators, and its training epoch's sums so far. A one-file checkpoint of several
     processes holds rank 0's in its run state and, where every process saved it, each
     one's here (`checkpoint_state`)."""
+    if run.ended is not None:
+        return dict(run.ended["rank"])
     at_epoch_end = run.epoch_finished
     return {
-        "rng": rng_states(),
+        "rng": saved_rng(run),
         "epoch_rng": None if at_epoch_end else run.epoch_rng,
-        "loader_rng": [g.get_state() for g in generators(run.train_loader)],
+        "loader_rng": saved_loader_rng(run),
         "training_epoch": {} if at_epoch_end else run.metrics.training_epoch_sums(),
     }
 
@@ -68,6 +70,8 @@ def run_state(run: FitRun) -> dict[str, Any]:
     """What a checkpoint holds besides the weights and the optimizers' state: versions,
     policy, loop position, schedulers, scaler, callbacks, this process's RNG states, and
     the metrics monitors read (the latest values, the training epoch's sums so far)."""
+    if run.ended is not None:
+        return dict(run.ended["run"])  # (a copy: a sharded save adds to it)
     at_epoch_end, progress, strategy = run.epoch_finished, run.progress, run.strategy
     # a process's own epoch sums: one file written by rank 0 of several would give every
     # rank rank 0's
@@ -89,7 +93,7 @@ def run_state(run: FitRun) -> dict[str, Any]:
             "samples": loader_samples(run.train_loader),
             "order": order_of(run.train_loader),
             # the loader's own generators now: the next epochs' orders are drawn from them
-            "loader_rng": [g.get_state() for g in generators(run.train_loader)],
+            "loader_rng": saved_loader_rng(run),
             # the rows at this step logged before the save, and those logged right after
             # it that a resume does not log again: a resume drops the rows from this step
             # on (the others it logs again) and hands these back (`StepLog.replay`)
@@ -107,7 +111,7 @@ def run_state(run: FitRun) -> dict[str, Any]:
         "schedulers": [s.scheduler.state_dict() for s in run.schedulers],
         "precision": run.precision.state_dict(),
         "callbacks": callback_states(run.callbacks),
-        "rng": rng_states(),
+        "rng": saved_rng(run),
         "world_size": strategy.world_size,
         "metrics": {
             "callback": dict(run.log.read()),
@@ -116,6 +120,33 @@ def run_state(run: FitRun) -> dict[str, Any]:
             "training_epoch": run.metrics.training_epoch_sums() if own and not at_epoch_end else {},
         },
     }
+
+
+def saved_rng(run: FitRun) -> dict[str, Any]:
+    """The random generator states a save now holds: those the run goes on from, which
+    inside a validation or ``on_train_batch_start`` are not the current ones (`held_rng`)."""
+    held = run.held_rng
+    return held["rng"] if held is not None else rng_states()
+
+
+def saved_loader_rng(run: FitRun) -> list[Tensor]:
+    """The training loader's own generator states a save now holds (`saved_rng`'s)."""
+    held = run.held_rng
+    if held is not None and held["loader"] is not None:
+        return list(held["loader"])
+    return [g.get_state() for g in generators(run.train_loader)]
+
+
+def keep_run_state(run: FitRun) -> None:
+    """Keep the run state of ``run``, a fit that ended, as it is now (once): a later
+    evaluation reseeds the generators, clears the metrics and the rows, and a checkpoint
+    saved after it must hold the fit's (`run_state` and `rank_state` then hand these out).
+    A fit cut short inside a window or a step keeps nothing: no save is taken there."""
+    if run.ended is None and not (run.in_window or run.stepping):
+        try:
+            run.ended = {"run": run_state(run), "rank": rank_state(run)}
+        except Exception:  # (a callback's state_dict: the save that needs it raises it)
+            log.debug("the fit's run state could not be kept", exc_info=True)
 
 
 def group_names(model: nn.Module, optimizer: LossScaleOptimizer) -> list[list[str]]:

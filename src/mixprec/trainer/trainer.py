@@ -70,7 +70,7 @@ from mixprec.trainer.optimizers import (
     repoint_converted,
     scheduler_entry,
 )
-from mixprec.trainer.strategy import FSDP, ProcessGroupStrategy, Strategy, make_strategy
+from mixprec.trainer.strategy import DDP, FSDP, ProcessGroupStrategy, Strategy, make_strategy
 
 __all__ = ["Trainer"]
 
@@ -84,7 +84,7 @@ class Trainer:
             Policy, a PolicyMap, or a configured ``mixprec.Precision`` the runs use as it is.
         accelerator, devices: ``"auto"``, ``"cpu"``, ``"cuda"``/``"gpu"``, ``"mps"``; a
             count, a list of GPU indices or ``"auto"``.
-        strategy: ``"auto"``, ``"single_device"``, ``"ddp"``, ``"ddp_fork"``, ``"fsdp"``, FSDP().
+        strategy: "auto", "single_device", "ddp", "ddp_fork", "fsdp"; DDP(...), FSDP(...).
         max_epochs, max_steps: when to stop (both None: 1000 epochs, as in Lightning).
         accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm: micro-batches
             per optimizer step; clipping of the unscaled gradients ("norm" or "value").
@@ -109,13 +109,15 @@ class Trainer:
 
     _fitted = False  # (a Trainer pickled before it was kept: `_launch`)
     _fit_masters: tuple[nn.Module, dict[str, Tensor]] | None = None  # (likewise)
+    _fit_run: FitRun | None = None  # (likewise)
+    _fit_replaced: str | None = None  # (likewise)
 
     def __init__(
         self,
         precision: Any = "32-true",
         accelerator: str = "auto",
         devices: int | str | list[int] = 1,
-        strategy: str | FSDP = "auto",
+        strategy: str | DDP | FSDP = "auto",
         max_epochs: int | None = None,
         max_steps: int | None = None,
         accumulate_grad_batches: int = 1,
@@ -184,6 +186,10 @@ class Trainer:
         self._metrics = MetricStore()
         self._log = StepLog(self.loggers, self.strategy, self.config.log_every_n_steps)
         self._current: Run | None = None  # the current or last run in this process
+        # the current or last fit's run in this process, kept through later evaluations
+        # (what `optimizers` and `save_checkpoint` read); how one replaced its model's weights
+        self._fit_run: FitRun | None = None
+        self._fit_replaced: str | None = None
         # the last fit's, as it ended (here, or in the processes a DDP launch started)
         self._summary: dict[str, str] = {}
         self._gathered: dict[str, Tensor] | None = None  # a sharded run's weights, on rank 0
@@ -207,6 +213,7 @@ class Trainer:
         state.update(
             model=None,
             _current=None,
+            _fit_run=None,
             _fit_loss_fn=None,
             _gathered=None,
             _fit_masters=None,
@@ -286,19 +293,20 @@ class Trainer:
     @property
     def optimizers(self) -> list[LossScaleOptimizer]:
         """The wrapped optimizers of the current or last fit."""
-        return self._current.optimizers if isinstance(self._current, FitRun) else []
+        return self._fit_run.optimizers if self._fit_run is not None else []
 
     @property
     def lr_schedulers(self) -> list[Any]:
         """The learning-rate schedulers of the current or last fit."""
-        run = self._current
-        return [s.scheduler for s in run.schedulers] if isinstance(run, FitRun) else []
+        run = self._fit_run
+        return [s.scheduler for s in run.schedulers] if run is not None else []
 
     @property
     def num_training_batches(self) -> int | None:
-        """Batches per training epoch (None when the data has no length)."""
-        run = self._current
-        return run.num_training_batches if isinstance(run, FitRun) else None
+        """Batches per training epoch of the current or last fit (None when the data has
+        no length)."""
+        run = self._fit_run
+        return run.num_training_batches if run is not None else None
 
     @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:
@@ -432,12 +440,19 @@ class Trainer:
         Under ``"ddp"``, ``every_rank=True`` says every process calls it (a collective, as
         ModelCheckpoint's saves are): each one's random generators and training-epoch sums
         go into the file, so that a mid-epoch resume is the run that never stopped on every
-        rank; called on rank 0 alone (the default), the file holds rank 0's."""
-        run = self._current
-        if not isinstance(run, FitRun):
+        rank; called on rank 0 alone (the default), the file holds rank 0's. After the fit (a
+        validate or test too) it holds what it held as the fit ended."""
+        run = self._fit_run
+        if run is None:
             raise RuntimeError(
                 "save_checkpoint needs a model being trained: call it during or after "
                 "Trainer.fit (in this process)"
+            )
+        if self._fit_replaced is not None:
+            raise RuntimeError(
+                f"save_checkpoint after the fit: {self._fit_replaced}, so its weights are no "
+                "longer those its optimizers and progress go with; save during or right after "
+                "the fit (ModelCheckpoint does)"
             )
         if run.stepping:
             raise RuntimeError(
@@ -547,8 +562,11 @@ class Trainer:
                 for lg in self.loggers:
                     lg.new_run()
             self._fitted = True
-        elif kwargs["ckpt_path"] is not None and self._masters_of(model):
-            self._fit_masters = None  # the checkpoint's weights replace the fit's
+        elif kwargs["ckpt_path"] is not None:
+            if self._masters_of(model):
+                self._fit_masters = None  # the checkpoint's weights replace the fit's
+            if self._fit_run is not None and self._fit_run.model is model:
+                self._fit_replaced = f"{stage} loaded {kwargs['ckpt_path']} into the fit's model"
         if isinstance(self.strategy, ProcessGroupStrategy) and self.strategy.launches_processes:
             return self._launch_processes(self.strategy, stage, model, kwargs)
         return self._run(stage, model, kwargs)
@@ -577,12 +595,18 @@ class Trainer:
         self._log.logged_metrics = out["logged_metrics"]
         load_callback_states(self.callbacks, out["callbacks"], resume=False)
         self.model, self._current = model, None
+        if stage == "fit":  # (trained in other processes: nothing of it to save here)
+            self._fit_run = None
         if stage == "fit" or not self._fitted:  # (an evaluation's, before any fit)
             self._summary = out["summary"]
         return out["result"]
 
     def _run(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
         """Run one stage in this process: seed, join the process group, set up, loop."""
+        if stage != "fit" and self._fit_run is not None:
+            # (before this run reseeds the generators and clears the metrics the last fit's
+            # checkpoint reads: a save after it is the save right after the fit)
+            resume.keep_run_state(self._fit_run)
         self.stage, self.model = stage, model
         self._gathered = None
         self._metrics.clear()
@@ -635,7 +659,12 @@ class Trainer:
         device = self.strategy.device
         model.to(device)
         precision = self._precision
+        # an evaluation steps no optimizer: the scaler stays as the last fit left it (that
+        # fit's optimizers, whose checkpoint holds it, share it)
+        scaler = None if fit or not precision.has_policy else precision.scaler.state_dict()
         precision.reset()  # each run starts from the scaler as configured, no optimizers
+        if scaler is not None:
+            precision.scaler.load_state_dict(scaler)
         is_sharded = self.strategy.shard(model, precision)
         optimizers, scheduler_configs = configured_optimizers(model, optimizer) if fit else ([], [])
         made = [opt(model) if callable(opt) else opt for opt in optimizers]
@@ -681,7 +710,8 @@ class Trainer:
         run.closure = check_closure_fit(
             opts, precision.scaler.enabled, self.config.accumulate_grad_batches, self.strategy.name
         )
-        self._current = run
+        self._current = self._fit_run = run
+        self._fit_replaced = None
         counts = {"training": run.num_training_batches}
         if run.val_loader is not None and self.strategy.sharded:  # (see `_check_same_batches`)
             limit = self.config.limit_val_batches
