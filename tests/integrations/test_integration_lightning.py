@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from devices import AVX2_CPU
+from devices import AVX2_CPU, H100
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -676,6 +676,54 @@ def test_auto_is_resolved_on_the_strategys_device(info, picked):
         trainer = _trainer(plugin, max_steps=1)
         trainer.fit(_model(), _loader())
     assert trainer.precision == picked
+
+
+class BuiltInConfigureModel(Regressor):
+    """A Regressor whose layers are built in ``configure_model`` (under the plugin's init
+    context, as Lightning runs that hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+@pytest.mark.parametrize(("info", "picked"), [(AVX2_CPU, "32-true"), (AMX_CPU, "bf16-mixed")])
+def test_init_module_under_auto_resolves_on_the_strategys_device(info, picked):
+    """Found by a review: ``Trainer.init_module()`` (and ``configure_model``) under
+    ``MixprecPrecision("auto")`` raised Precision's "call setup() or resolve(device) first",
+    which a Lightning user cannot do. The plugin resolves "auto" there on the device the
+    strategy enters for it; outside a strategy's context it says how to give the device."""
+    with hardware.assume(info):
+        trainer = _trainer(MixprecPrecision("auto"), max_steps=1)
+        with trainer.init_module():
+            model = _model()
+        assert trainer.precision == picked
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        trainer.fit(model, _loader())
+        assert trainer.precision == picked and model.losses
+        built = BuiltInConfigureModel()
+        trainer = _trainer(MixprecPrecision("auto"), max_steps=1)
+        trainer.fit(built, _loader())
+        assert trainer.precision == picked and built.losses
+    plugin = MixprecPrecision("auto")
+    said = r"MixprecPrecision\('auto'\).*mixprec\.Precision\('auto', device='cuda'\)"
+    with pytest.raises(RuntimeError, match=said):
+        with plugin.module_init_context():
+            pass
+    with torch.device("meta"), pytest.raises(RuntimeError, match=said):
+        with plugin.tensor_init_context():
+            pass
+    with hardware.assume(H100):  # picked on one device, trained on another: refused
+        with torch.device("cuda"), plugin.module_init_context():
+            pass
+        assert plugin.precision == "bf16-mixed"
+        with pytest.raises(ValueError, match=r"picked its policy on cuda.*trains on cpu"):
+            _trainer(plugin, max_steps=1).fit(_model(), _loader())
 
 
 def test_the_precision_flag_and_the_plugin_cannot_be_combined():

@@ -696,6 +696,75 @@ def test_keep_float32_picks_parameters():
     assert [opt.state[p]["format"] for p in params] == ["int8", "float32", "int8", "float32"]
 
 
+def _tied() -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(128, 128, bias=False), nn.ReLU(), nn.Linear(128, 128))
+    model[2].weight = model[0].weight  # one parameter, two owners (GPT-2's lm_head and wte)
+    return model
+
+
+def test_a_state_rule_naming_the_second_owner_of_a_tied_parameter_reaches_it():
+    """Found by a review: a state rule was matched against a tied parameter's first name's
+    owner only, so ``states={"lm_head": "int8"}`` on GPT-2 (whose ``lm_head.weight`` is
+    ``transformer.wte.weight``) left the tie at the default or the embedding's float32,
+    silently. Every owner's path is matched now; an explicit rule outranks the embedding's
+    float32 and the default the other owner falls to."""
+    from mixprec import PolicyMap, Precision
+
+    model = _tied()
+    for rule in ("2", "0", "0|2"):
+        pmap = PolicyMap("32-true", states={rule: "int8"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the rule matches: nothing to warn of
+            pmap.warn_unmatched_states(model)
+            formats = pmap.state_formats(model, "float32")
+        assert formats["0.weight"][0] == StateFormat("int8")
+        assert formats["0.weight"][1].startswith(f"state rule {rule!r}")
+    said = PolicyMap("32-true", states={"2": "int8"}).state_formats(model)["0.weight"][1]
+    assert said == "state rule '2' via 2.weight (tied)"
+    # rules on parameter names reach the second name too
+    by_name = assign_formats(model, "float32", rules={r"2\.weight": "int4"})
+    assert by_name["0.weight"] == (StateFormat("int4"), "rule '2\\\\.weight' via 2.weight (tied)")
+    # an embedding's table tied to a head: the head's rule outranks the table's float32
+    tied = nn.Sequential(nn.Embedding(64, 64), nn.Linear(64, 64, bias=False))
+    tied[1].weight = tied[0].weight
+    got = PolicyMap("32-true", states={"1": "int8"}).state_formats(tied)
+    assert got == {"0.weight": (StateFormat("int8"), "state rule '1' via 1.weight (tied)")}
+    # and the optimizer steps the tie in that format
+    model = _tied()
+    precision = Precision(PolicyMap("32-true", states={"2": "int8"}))
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    precision.backward(model(torch.randn(4, 128)).square().mean())
+    opt.step()
+    assert opt.optimizer.state[model[2].weight]["format"] == "int8"
+
+
+def test_tied_owners_given_different_state_formats_are_refused():
+    """Found by a review: a tied parameter holds one optimizer state, so rules giving its
+    two owners different formats cannot both hold; only the first owner's was used, without
+    a word. Refused now, naming both paths and rules, as the policy rules refuse a tie given
+    two dtypes; two rules agreeing on the format are taken."""
+    from mixprec import PolicyMap
+    from mixprec.errors import PolicySpecError
+
+    model = _tied()
+    pmap = PolicyMap("32-true", states={"0": "int4", "2": "int8"})
+    said = (
+        r"parameter '0\.weight' is also '2\.weight' \(tied.*\), but the rules give module "
+        r"'0' int4 \(state rule '0'\) and module '2' int8 \(state rule '2'\); give both "
+        r"modules the same state format"
+    )
+    with pytest.raises(PolicySpecError, match=said):
+        pmap.state_formats(model)
+    with pytest.raises(ValueError, match="tied"):
+        assign_formats(model, "int8", rules={r"0\..*": "int4", r"2\..*": "fp8"})
+    agreed = PolicyMap("32-true", states={"0": "int8", "2": "int8"}).state_formats(model)
+    assert agreed["0.weight"] == (StateFormat("int8"), "state rule '0'")
+    small = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    small[1].weight = small[0].weight  # under min_size: float32 whatever the rules say
+    got = PolicyMap("32-true", states={"0": "int4", "1": "int8"}).state_formats(small)
+    assert got == {"0.weight": (StateFormat("float32"), "small: 64 < 4096 elements")}
+
+
 # -- the compiled step ----------------------------------------------------------------------------
 
 

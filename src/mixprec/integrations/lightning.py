@@ -102,6 +102,24 @@ def _toggles_model_params_too(module: nn.Module, wrappers: list[LossScaleOptimiz
         object.__setattr__(module, name, call)
 
 
+def _entered_device() -> torch.device | None:
+    """The device of the innermost ``torch.device`` context entered (Lightning's strategy
+    enters its root device around the plugin's init contexts), or None where none is, or
+    it is ``meta`` (no device to judge a precision on)."""
+    try:  # (private torch API: without it, the plugin asks for the device instead)
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+    except ImportError:  # pragma: no cover - torch 2.13 has both
+        return None
+    # (the innermost one's device as entered: torch.get_default_device would allocate
+    # on it to learn an index)
+    entered = [m for m in _get_current_function_mode_stack() if isinstance(m, DeviceContext)]
+    if not entered:
+        return None
+    device = torch.device(entered[-1].device)
+    return None if device.type == "meta" else device
+
+
 def _refuse_finetuning_callbacks(module: nn.Module) -> None:
     """Refuse Lightning's finetuning callbacks where the optimizers step float32 masters:
     they name the optimizers' parameters by the module's, which the masters are not (a
@@ -188,7 +206,10 @@ class MixprecPrecision(LightningPrecision):
         self._wrappers: dict[torch.optim.Optimizer, LossScaleOptimizer] = {}
         # the list of LightningOptimizers given their zero_grad (`_clear_through_...`)
         self._cleared_through: list[Any] | None = None
-        # "auto" is resolved at convert_module, on the strategy's device
+        # the device "auto" was resolved on at an init context (`_resolve_for_init`)
+        self._auto_resolved_on: torch.device | None = None
+        # "auto" is resolved at convert_module (or an init context before), on the
+        # strategy's device
         name = self.mixprec.policy.default.name if self.mixprec.has_policy else "auto"
         self.precision = name  # type: ignore[assignment]
 
@@ -214,6 +235,13 @@ class MixprecPrecision(LightningPrecision):
         or ``SlowPrecisionError``), then convert ``module`` in place with ``mixprec.apply``."""
         _refuse_precision_flag(module, self)
         device = _strategy_device(module)
+        picked = self._auto_resolved_on
+        if picked is not None and picked.type != device.type:
+            raise ValueError(
+                f"MixprecPrecision('auto') picked its policy on {picked}, the device entered "
+                f"around its init context, but Lightning trains on {device}: name the device, "
+                f"MixprecPrecision(mixprec.Precision('auto', device={device.type!r}))"
+            )
         if self.mixprec.device is None:
             self.mixprec.device = device
         elif self.mixprec.device.type != device.type:
@@ -294,12 +322,40 @@ class MixprecPrecision(LightningPrecision):
         return self.mixprec.forward_context(cache_enabled=False, backward_after=automatic)
 
     def module_init_context(self) -> AbstractContextManager[Any]:
-        """Parameters created inside get the policy's param dtype (``Trainer.init_module``)."""
+        """Parameters created inside get the policy's param dtype (``Trainer.init_module``,
+        ``configure_model``). Under ``"auto"`` the policy is picked here, before
+        ``convert_module``, on the device the strategy entered for this context (its root
+        device); a strategy entering none (or ``meta``) is refused, saying how to name it."""
+        self._resolve_for_init()
         return self.mixprec.init_module()
 
     def tensor_init_context(self) -> AbstractContextManager[Any]:
         """As ``module_init_context``."""
+        self._resolve_for_init()
         return self.mixprec.init_module()
+
+    def _resolve_for_init(self) -> None:
+        """Pick ``"auto"``'s policy on the device Lightning builds the model on: a plugin
+        is not shown the strategy, but the strategy's ``tensor_init_context`` enters its
+        root device (a ``torch.device`` context) before calling the plugin's."""
+        if self.mixprec.has_policy:
+            return
+        device = _entered_device()
+        if device is None:
+            raise RuntimeError(
+                "MixprecPrecision('auto') picks its policy on the device Lightning trains on, "
+                "and this init context was entered without one (outside Trainer.init_module, "
+                "or under a strategy that builds on 'meta' or enters no device): name the "
+                "device, MixprecPrecision(mixprec.Precision('auto', device='cuda')), or the "
+                "policy, MixprecPrecision('bf16-mixed')"
+            )
+        # (the device itself stays unset: convert_module takes the strategy's, whose index
+        # a spawned DDP process may not share with this one's; it checks the type agrees.
+        # The scaler is built on the CPU, as outside the context: setup moves it.)
+        with torch.device("cpu"):
+            self.mixprec.resolve(device)
+        self._auto_resolved_on = device
+        self.precision = self.mixprec.policy.default.name  # type: ignore[assignment]
 
     def convert_input(self, data: Any) -> Any:
         """Floating tensors of a batch to the compute dtype of a "true" policy."""

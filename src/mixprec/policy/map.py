@@ -499,13 +499,14 @@ class PolicyMap:
         converted holds frozen ones, stepped once unfrozen) optimizer-state format and why, as
         `mixprec.optim.states.assign_formats` decides: parameters under its ``min_size`` keep
         float32 ("small"); then this map's state rules (``re.fullmatch`` on the module path
-        owning the parameter, the first rule in order wins); then embedding tables keep
-        float32; the rest take ``default`` (`Precision`'s ``optimizer_states``), else the
-        map's single ``states`` format, else float32."""
+        owning the parameter, the first rule in order wins; a tied parameter is matched under
+        every owner's path, and owners ruled into different formats are a `PolicySpecError`);
+        then embedding tables keep float32; the rest take ``default`` (`Precision`'s
+        ``optimizer_states``), else the map's single ``states`` format, else float32."""
         if isinstance(self.states, str):
             default = default or self.states
         rules = self.states if isinstance(self.states, dict) else {}
-        found = assign_formats(
+        return assign_formats(
             model,
             default or "float32",
             rules=rules,
@@ -513,8 +514,6 @@ class PolicyMap:
             frozen=frozen,
             on_modules=True,  # a rule names the module owning its parameters
         )
-        said = {f"rule {key!r}": f"state rule {key!r}" for key in rules}
-        return {name: (fmt, said.get(why, why)) for name, (fmt, why) in found.items()}
 
     def warn_unmatched_states(self, model: nn.Module, *, stacklevel: int = 2) -> None:
         """Warn, as for policy rules, about the state rules that match no module owning

@@ -8,7 +8,10 @@ one per format (the group key ``"states"``).
 
 Precedence, first match wins: a parameter below ``min_size`` elements keeps float32 (the
 optimizer enforces it too); a rule (``re.fullmatch`` of a regex on the parameter's name,
-in the rules' order); an embedding's weight (float32); the default ``states``.
+in the rules' order); an embedding's weight (float32); the default ``states``. A tied
+parameter (one tensor under several names) is matched under each name: a rule on any of
+them outranks the embedding's float32 and the default, and rules giving its names
+different formats are refused (it holds one state).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.errors import PolicySpecError
 from mixprec.optim.engine import SUPPORTED_OPTIMIZERS
 from mixprec.optim.states.checkpoint import UNSUPPORTED_FLAGS
 from mixprec.optim.states.formats import StateFormat, parse_state_format
@@ -58,21 +62,33 @@ _UNMATCHED_NAMED = 5
 
 def _named(
     model_or_named: nn.Module | Iterable[tuple[str, torch.Tensor]], frozen: bool = False
-) -> tuple[list[tuple[str, torch.Tensor]], set[int]]:
-    """(name, parameter) pairs (trainable ones of a model, or every one with ``frozen``)
-    and the ids of embedding tables."""
+) -> tuple[list[tuple[str, torch.Tensor]], dict[int, list[str]], set[int]]:
+    """(name, parameter) pairs, each parameter once under its first name (trainable ones of
+    a model, or every one with ``frozen``), every name of each parameter by its id (a tied
+    one has several: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``), and the ids
+    of embedding tables."""
     if isinstance(model_or_named, nn.Module):
-        named = [(n, p) for n, p in model_or_named.named_parameters() if frozen or p.requires_grad]
+        every = [
+            (n, p)
+            for n, p in model_or_named.named_parameters(remove_duplicate=False)
+            if frozen or p.requires_grad
+        ]
         tables = {id(m.weight) for m in model_or_named.modules() if isinstance(m, _EMBEDDINGS)}
-        return named, tables
-    named = list(model_or_named)
-    for item in named:
-        if not (isinstance(item, tuple) and len(item) == 2 and torch.is_tensor(item[1])):
-            raise TypeError(
-                "assign_formats takes a model or (name, parameter) pairs such as "
-                "model.named_parameters()"
-            )
-    return named, set()
+    else:
+        every = list(model_or_named)
+        for item in every:
+            if not (isinstance(item, tuple) and len(item) == 2 and torch.is_tensor(item[1])):
+                raise TypeError(
+                    "assign_formats takes a model or (name, parameter) pairs such as "
+                    "model.named_parameters()"
+                )
+        tables = set()
+    named, names = [], {}
+    for n, p in every:
+        if id(p) not in names:
+            named.append((n, p))
+        names.setdefault(id(p), []).append(n)
+    return named, names, tables
 
 
 def assign_formats(
@@ -96,12 +112,16 @@ def assign_formats(
     ``embeddings_float32=False``. ``frozen``: a model's frozen parameters too (an optimizer
     holding them steps them once unfrozen). ``on_modules``: ``rules`` are ``re.fullmatch``'ed
     against the path of the module owning each parameter instead (a policy map's state
-    rules: the rule as written, so that an anchor or an inline flag means what it says)."""
+    rules: the rule as written, so that an anchor or an inline flag means what it says; said
+    as ``"state rule 'head'"``). A tied parameter, keyed by its first name, is matched under
+    every name (``"rule 'lm_head' via lm_head.weight (tied)"``): an explicit rule outranks
+    the embedding's float32 and the default; two names ruled into different formats are a
+    `PolicySpecError` (a ValueError) naming both."""
     default = parse_state_format(states)
     compiled = [(re.compile(k), k, parse_state_format(v)) for k, v in (rules or {}).items()]
-    named, tables = _named(model_or_named, frozen)
+    named, aliases, tables = _named(model_or_named, frozen)
     if warn:
-        names = [name for name, _ in named]
+        names = [name for every in aliases.values() for name in every]
         owner = (
             type(model_or_named).__name__
             if isinstance(model_or_named, nn.Module)
@@ -116,20 +136,53 @@ def assign_formats(
             f"trainable parameter of {owner}",
             "rules are re.fullmatch'ed against parameter names",
         )
+    label = "state rule" if on_modules else "rule"
     out: dict[str, Assignment] = {}
     for name, p in named:
         n = p.numel()
-        target = name.rpartition(".")[0] if on_modules else name
-        rule = next(((key, fmt) for rx, key, fmt in compiled if rx.fullmatch(target)), None)
+        # (a small parameter keeps float32 whatever its names' rules say)
+        rule = _ruled(compiled, aliases[id(p)], on_modules, label) if n >= min_size else None
         if n < min_size:
             out[name] = (StateFormat("float32"), f"small: {n} < {min_size} elements")
         elif rule is not None:
-            out[name] = (rule[1], f"rule {rule[0]!r}")
+            at, key, fmt = rule
+            out[name] = (fmt, f"{label} {key!r}" + (f" via {at} (tied)" if at != name else ""))
         elif embeddings_float32 and id(p) in tables:
             out[name] = (StateFormat("float32"), "embedding")
         else:
             out[name] = (default, "default")
     return out
+
+
+def _ruled(
+    compiled: list[tuple[re.Pattern[str], str, StateFormat]],
+    names: list[str],
+    on_modules: bool,
+    label: str,
+) -> tuple[str, str, StateFormat] | None:
+    """(name, rule, format) of the first of a parameter's ``names`` a rule matches (each
+    name's first rule in order), or None. A tied parameter holds one state: an explicit rule
+    on any owner outranks the default or embedding another falls to, and two owners ruled
+    into different formats are refused, as a tie given two param dtypes is."""
+    found = None
+    for name in names:
+        target = name.rpartition(".")[0] if on_modules else name
+        rule = next(((key, fmt) for rx, key, fmt in compiled if rx.fullmatch(target)), None)
+        if rule is None:
+            continue
+        if found is None:
+            found = (name, *rule)
+        elif found[2] != rule[1]:
+            first, key, fmt = found
+            what = "module" if on_modules else "parameter"
+            there = first.rpartition(".")[0] if on_modules else first
+            raise PolicySpecError(
+                f"parameter {first!r} is also {name!r} (tied: one parameter, one optimizer "
+                f"state), but the rules give {what} {there!r} {fmt} ({label} {key!r}) and "
+                f"{what} {target!r} {rule[1]} ({label} {rule[0]!r}); give both {what}s the "
+                "same state format"
+            )
+    return found
 
 
 def closest(key: str, names: Sequence[str]) -> str:
@@ -183,7 +236,7 @@ def format_groups(
 ) -> list[dict[str, Any]]:
     """Parameter groups, one per format in ``assignments`` (in order of first use), each
     with ``"states"`` set and the extra ``group`` settings (``lr=...``)."""
-    named, _ = _named(model_or_named)
+    named, _, _ = _named(model_or_named)
     groups: dict[str, dict[str, Any]] = {}
     for name, p in named:
         if name not in assignments:
