@@ -2,6 +2,7 @@
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -14,7 +15,12 @@ from torch import nn
 
 from mixprec import Policy, PolicyMap, PrecisionError, SlowPrecisionError, hardware
 from mixprec.optim import LossScaleOptimizer
-from mixprec.optim.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
+from mixprec.optim.scaling import (
+    DynamicLossScaler,
+    LossScalerStats,
+    NoLossScaler,
+    StaticLossScaler,
+)
 from mixprec.precision import Precision
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
@@ -279,3 +285,26 @@ def test_a_new_optimizer_over_the_same_parameters_retires_the_old_one(spec):
     for p, b, r in zip(model.parameters(), before, reference.parameters(), strict=True):
         moved, want = p.detach().float() - b, r.detach() - b
         torch.testing.assert_close(moved, want, rtol=0.05, atol=1e-3)
+
+
+def test_reset_keeps_the_scaler_settings_of_now_and_starts_its_state_afresh():
+    """Found by a review: ``reset()`` (the Trainer's, before each run) loaded the scaler
+    state captured when the Precision was built, so settings set since through the scaler's
+    setters were replaced for the whole run, with a warning about a checkpoint there was
+    none of. A reset now starts the scale and counters afresh, at the ``init_scale`` of
+    now, keeping the settings, silently."""
+    precision = Precision("16-mixed", allow_slow=True)
+    scaler = precision.scaler
+    scaler.growth_interval, scaler.min_scale, scaler.init_scale = 50, 128.0, 256.0
+    for flag in (1.0, 0.0, 1.0):
+        scaler.update(torch.tensor(flag), flag > 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precision.reset()
+    assert precision.scaler is scaler and scaler.growth_interval == 50
+    assert scaler.min_scale == 128.0 and scaler.init_scale == 256.0
+    assert scaler.stats() == LossScalerStats(256.0, 0, 0, 0, None)
+    static = Precision("32-true", scaler=128.0)
+    static.scaler.update(torch.tensor(1.0), True)
+    static.reset()
+    assert static.scaler.stats() == LossScalerStats(128.0, 0, 0, 0, None)

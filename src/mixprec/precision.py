@@ -233,7 +233,6 @@ class Precision:
         self._scaler_spec = scaler
         self._policy: PolicyMap | None = None
         self._scaler: LossScaler | None = None
-        self._configured_scaler: dict[str, Any] = {}  # the scaler's state as built
         self._resolved: tuple[DeviceInfo, Support] | None = None  # the device checked
         # whether the default policy autocasts (None: no policy chosen yet), and its compute
         # dtype: set with the policy, read by every step (attributes, where the policy's
@@ -259,7 +258,6 @@ class Precision:
         self._scaler = as_loss_scaler(
             self._scaler_spec, needs_scaling=self._policy.needs_loss_scaling
         )
-        self._configured_scaler = self._scaler.state_dict()
         self.mixed = self._policy.default.is_mixed
         self._compute_dtype = self._policy.default.compute_dtype
 
@@ -298,14 +296,16 @@ class Precision:
 
     def reset(self) -> None:
         """Begin another run with this precision: forget the models and optimizers set up so
-        far and return the scaler to its state as built (its initial scale, no steps), so every run
-        starts alike. The policy and the hardware check stay as `resolve` left them. The
-        Trainer calls this before each fit, validate, test and predict."""
+        far and start the scaler afresh (`LossScaler.reset`: its initial scale, no steps),
+        so every run starts alike. Its settings stay as they are now, those set through its
+        attributes since building included; the policy and the hardware check stay as
+        `resolve` left them. The Trainer calls this before each fit, validate, test and
+        predict (a resume then loads the checkpoint's scaler state over it)."""
         self.optimizers = []
         self._converted = []
         self._step_work.clear()
         if self._scaler is not None:
-            self._scaler.load_state_dict(self._configured_scaler)
+            self._scaler.reset()
 
     @staticmethod
     def _unresolved() -> RuntimeError:

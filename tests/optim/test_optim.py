@@ -986,3 +986,34 @@ def test_a_step_with_no_backward_since_the_last_update_is_a_skipped_step():
     assert opt.optimizer.param_groups[0]["lr"] == 0.25
     assert opt.scaler.state_dict()["steps"] == 1 and opt.scaler.loss_scale == 2.0**16
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_reading_the_state_of_a_parameter_the_optimizer_does_not_hold_changes_nothing():
+    """Found by a review: with float32 masters, ``opt.state.get(p, {})`` of a frozen layer's
+    parameter indexed torch's defaultdict and made an empty entry for it, after which
+    ``p in opt.state`` was True and ``state_dict()`` raised KeyError (torch saves no state
+    for a tensor in none of its groups). A read now changes nothing, as on torch's own
+    optimizer; ``setdefault`` stores its default (not an empty dict) as a dict does, and
+    indexing a parameter the optimizer does not hold is a KeyError, not a new entry."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).half()
+    model[0].requires_grad_(False)
+    trained = list(model[1].parameters())
+    opt = LossScaleOptimizer(torch.optim.AdamW(trained, lr=1e-2), scaler=128.0, model=model)
+    opt.backward(model(torch.ones(3, 4, dtype=f16)).float().sum())
+    assert opt.step()
+    frozen = model[0].weight
+    assert opt.state.get(frozen, "absent") == "absent" and opt.state.get(frozen) is None
+    assert frozen not in opt.state and len(opt.optimizer.state) == 2
+    with pytest.raises(KeyError):
+        opt.state[frozen]
+    assert len(opt.optimizer.state) == 2 and "state" in opt.state_dict()["optimizer"]
+    assert int(opt.state.get(trained[0], {})["step"]) == 1
+    assert opt.state.setdefault(trained[1], {"x": 1}) is opt.state[trained[1]]
+    assert "exp_avg" in opt.state[trained[1]]
+    extra = nn.Parameter(torch.zeros(2, dtype=f16))
+    opt.add_param_group({"params": [extra]})
+    assert opt.state.get(extra) is None and extra not in opt.state
+    fresh = {"note": 1}
+    assert opt.state.setdefault(extra, fresh) is fresh and opt.state[extra] is fresh
+    assert opt.optimizer.state[opt.master_params[extra]] is fresh

@@ -224,3 +224,56 @@ def test_every_policys_forward_context_decorates_a_function(spec):
 
     assert state() == state() == precision.mixed
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_an_initial_scale_set_before_the_first_step_is_the_scale_it_starts_from():
+    """Found by a review: ``init_scale`` set after building changed what the scaler reported
+    and saved, not its scale: ``scale(loss)`` still multiplied by 65536. Set before the first
+    ``scale``, it is the scale the first step uses (bounds, floor and growth judged from
+    it); set later, the running scale is kept and a `reset` starts from it."""
+    scaler = DynamicLossScaler()
+    scaler.init_scale = 256.0
+    assert scaler.scale(torch.tensor(1.0)).item() == 256.0 and scaler.loss_scale == 256.0
+    assert scaler.state_dict()["scale"] == 256.0
+    scaler.init_scale = 512.0  # a loss was scaled by 256: its gradients unscale by 256
+    assert scaler.loss_scale == 256.0
+    scaler.update(CLEAN, False)
+    scaler.init_scale = 1024.0
+    assert scaler.loss_scale == 256.0 and scaler.init_scale == 1024.0
+    scaler.reset()
+    assert scaler.loss_scale == 1024.0 and scaler.stats().steps == 0
+
+    at_floor = DynamicLossScaler(8.0, min_scale=1.0, max_skips_at_min_scale=1)
+    at_floor.init_scale = 1.0
+    with pytest.raises(LossScaleDivergedError):
+        at_floor.update(INF, True)
+    grows = DynamicLossScaler(8.0, growth_interval=1, max_scale=8.0)
+    grows.init_scale = 2.0
+    grows.update(CLEAN, False)
+    grows.update(CLEAN, False)
+    assert grows.loss_scale == 8.0 and grows.state_dict()["growth_tracker"] == 0
+    loaded = DynamicLossScaler()
+    loaded.load_state_dict(DynamicLossScaler().state_dict())
+    loaded.init_scale = 4.0  # a loaded state is a resumed run's: its scale is kept
+    assert loaded.loss_scale == 2.0**16
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_reset_starts_the_scale_and_counters_afresh_with_the_settings_of_now(hysteresis):
+    """Found by a review: a reset (``Precision.reset``, before each Trainer run) loaded the
+    state the scaler was built with, replacing the settings set since. It now returns the
+    scale, growth tracker, credits and counters to a fresh start at ``init_scale`` and
+    keeps every setting as it is: the state of a scaler built with them."""
+    scaler = DynamicLossScaler(8.0, growth_interval=2, hysteresis=hysteresis)
+    for flag in (INF, INF, INF, CLEAN, CLEAN, CLEAN):
+        scaler.update(flag, bool(flag))
+    scaler.scale(torch.tensor(1.0))
+    scaler.growth_interval, scaler.min_scale, scaler.backoff_factor = 3, 2.0, 0.25
+    scaler.max_skips_at_min_scale = 4
+    scaler.reset()
+    built = DynamicLossScaler(8.0, 2.0, 0.25, 3, hysteresis, 2.0, max_skips_at_min_scale=4)
+    assert scaler.state_dict() == built.state_dict() and not scaler.scaled_since_update
+    for flag in (INF, CLEAN, CLEAN, CLEAN, INF):
+        scaler.update(flag, bool(flag))
+        built.update(flag, bool(flag))
+        assert scaler.state_dict() == built.state_dict()

@@ -275,6 +275,9 @@ class LossScaler:
         self._skips_at_floor = 0
         self._last_overflow: int | None = None
         self._scaled_since_update = False
+        # whether the scale is still the one the run starts from (no update, no load since
+        # building or `reset`): only then does a new ``init_scale`` move it
+        self._at_start = True
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (a scaler pickled while its settings were plain attributes)
@@ -398,6 +401,7 @@ class LossScaler:
             self._skips_at_floor = 0
         self._steps += 1
         self._scaled_since_update = False
+        self._at_start = False
         self._update_scale(flag, overflow)
         if self._skips_at_floor >= self.max_skips_at_min_scale:
             raise LossScaleDivergedError(self._divergence_message())
@@ -414,6 +418,16 @@ class LossScaler:
             last_overflow_step=self._last_overflow,
         )
 
+    def reset(self) -> None:
+        """Start afresh, as a scaler built with the settings it has now: the scale back
+        to its start (a dynamic scaler's ``init_scale``), counters, growth tracker and
+        credits to zero or full. The settings, set at building or since, are kept.
+        `Precision.reset` calls this before each Trainer run."""
+        self._steps = self._skipped = self._consecutive = self._skips_at_floor = 0
+        self._last_overflow = None
+        self._scaled_since_update = False
+        self._at_start = True
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly, valid before the first step too."""
         saved = {key: getattr(self, attr) for key, attr in self._SAVED.items()}
@@ -425,6 +439,7 @@ class LossScaler:
         A dynamic scaler also takes the state of a ``torch.amp.GradScaler``.
         """
         self.check_state_dict(state)
+        self._at_start = False  # (a resumed run's scale: a new init_scale waits for a reset)
         if "kind" not in state:
             self._load_foreign_state(state)
             return
@@ -579,6 +594,7 @@ class NoLossScaler(LossScaler):
     def update(self, found_inf: torch.Tensor, overflow: bool | None = None) -> None:
         """Count the step."""
         self._steps += 1
+        self._at_start = False
 
     def _check_foreign_state(self, state: Mapping[str, Any]) -> None:
         # a disabled torch.amp.GradScaler saves {}: no scaling, nothing to restore
@@ -719,7 +735,11 @@ class DynamicLossScaler(LossScaler):
 
     @property
     def init_scale(self) -> float:
-        """The scale training started from (within ``[min_scale, max_scale]``)."""
+        """The scale training starts from (within ``[min_scale, max_scale]``). Set before
+        the first ``scale`` (of a scaler just built or `reset`), the next step uses it; set
+        once a loss was scaled, a step taken or a state loaded, the running scale is kept
+        (the gradients and the run were made with it) and the next `reset` starts from the
+        new one (`Precision.reset`: the Trainer's next run)."""
         return self._init_scale
 
     @init_scale.setter
@@ -731,6 +751,8 @@ class DynamicLossScaler(LossScaler):
                 f"[{self._min_scale}, {self._max_scale}], got {init}"
             )
         self._init_scale = init
+        if getattr(self, "_at_start", False) and not self._scaled_since_update:
+            self.reset()  # (nothing ran yet: the scale, and its host mirror, start there)
 
     @property
     def growth_factor(self) -> float:
@@ -881,6 +903,14 @@ class DynamicLossScaler(LossScaler):
         if self.hysteresis > 1:
             return bool(self._scale <= self._scale.new_tensor(self.min_scale))
         return self._mirror()[0] <= _float32(self.min_scale)
+
+    def reset(self) -> None:
+        """Start afresh (see `LossScaler.reset`) at ``init_scale``, keeping the settings."""
+        super().reset()
+        self._scale.fill_(self._init_scale)
+        self._growth_tracker.zero_()
+        self._credits.fill_(self._hysteresis)
+        self._host = (_float32(self._init_scale), 0)
 
     def state_dict(self) -> dict[str, Any]:
         """Scale, growth tracker, hysteresis credits, counters and settings."""

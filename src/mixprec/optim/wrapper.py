@@ -225,7 +225,9 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         ``state_dict`` cannot save."""
         if not self._masters:
             return self.optimizer.state
-        return MasterKeyedState(self.optimizer.state, self._masters.master_of)
+        return MasterKeyedState(
+            self.optimizer.state, self._masters.master_of, self.optimizer.param_groups
+        )
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -986,17 +988,47 @@ def _read_flags(found: torch.Tensor) -> list[bool]:
 class MasterKeyedState(MutableMapping):
     """An optimizer's state (``state``, keyed by the tensors it steps) seen through
     ``master_of``: a model parameter with a float32 master stands for its master. Iterating
-    gives the optimizer's own keys."""
+    gives the optimizer's own keys.
 
-    def __init__(self, state: Any, master_of: Mapping[torch.Tensor, torch.Tensor]) -> None:
+    Reads (``get``, ``in``) never make an entry. Indexing a tensor the optimizer holds
+    (one of ``groups``, or a parameter whose master is) makes an empty one where it has none,
+    as torch's defaultdict; a tensor it does not hold (a frozen layer's) is a KeyError: an
+    entry for it would make torch's ``state_dict`` fail. ``setdefault`` stores its default
+    as a dict's does."""
+
+    def __init__(
+        self,
+        state: Any,
+        master_of: Mapping[torch.Tensor, torch.Tensor],
+        groups: list[dict[str, Any]] | None = None,
+    ) -> None:
         self._state = state
         self._master_of = master_of
+        self._groups = groups
 
     def _key(self, p: Any) -> Any:
         return self._master_of.get(p, p) if isinstance(p, torch.Tensor) else p
 
+    def _holds(self, key: Any) -> bool:
+        if not isinstance(key, torch.Tensor) or self._groups is None:
+            return True  # (a non-tensor key torch's state_dict saves as it is)
+        return any(q is key for g in self._groups for q in g["params"])
+
     def __getitem__(self, p: Any) -> Any:
-        return self._state[self._key(p)]
+        key = self._key(p)
+        if key not in self._state and not self._holds(key):
+            raise KeyError(p)
+        return self._state[key]
+
+    def get(self, p: Any, default: Any = None) -> Any:
+        key = self._key(p)
+        return self._state[key] if key in self._state else default
+
+    def setdefault(self, p: Any, default: Any = None) -> Any:
+        key = self._key(p)
+        if key not in self._state:
+            self._state[key] = default
+        return self._state[key]
 
     def __setitem__(self, p: Any, value: Any) -> None:
         self._state[self._key(p)] = value
