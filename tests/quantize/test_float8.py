@@ -36,6 +36,7 @@ from mixprec.quantize.float8 import (
     axis_scale,
     convert_from_float8,
     convert_to_float8,
+    high_precision_matmul,
     scaled_matmul,
     skip_reason,
     tensor_scale,
@@ -190,6 +191,25 @@ def test_forward_and_backward_equal_the_reference(recipe, shape, autocast):
     # the bias is added in the compute dtype: its gradient is a sum of rounded gradients
     expected_gb = g.to(out_dtype).flatten(0, 1).float().sum(0).to(out_dtype)
     assert_matches(gb, expected_gb, torch.zeros(()))
+
+
+def test_rowwise_with_gw_hp_computes_a_float64_weight_gradient_in_float64():
+    """Found by a review: the recipe keeps the weight-gradient matmul in the compute dtype,
+    but off CUDA it ran as a float32 matmul of the operands rounded to it: with a float64
+    compute dtype (a float64 layer, '64-true') the weight gradient was g^T @ x rounded to
+    float32 (1.5e-7 off). Float64 operands are multiplied in float64; 16-bit ones still sum
+    in float32, as a 16-bit GEMM does."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32).double()
+    module = Float8Linear.from_float(linear, "rowwise_with_gw_hp")
+    x, g = torch.randn(16, 64, dtype=torch.float64), torch.randn(16, 32, dtype=torch.float64)
+    _, _, gw, _ = run(module, x, g)
+    exact = g.t() @ x
+    bound = 16 * torch.finfo(torch.float64).eps * (g.t().abs() @ x.abs())
+    assert gw.dtype == torch.float64 and ((gw - exact).abs() <= bound).all()
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    want = (a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float()).to(torch.bfloat16)
+    assert torch.equal(high_precision_matmul(a, b, torch.bfloat16), want)
 
 
 def test_float8_error_is_small_but_real():

@@ -19,6 +19,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from mixprec.dtypes import default_dtype
 from mixprec.formats.microscaling import MicroscalingConfig
 from mixprec.quantize.block_formats import (
     E8M0_NAN,
@@ -530,3 +531,48 @@ def test_a_block_near_float32s_largest_decodes_finite_under_rceil(element):
     for out in (quantize_mx(x, element).dequantize(), fake_quantize(x, config)):
         assert torch.isfinite(out).all()
         assert out[0, 0] == top and out[0, 1] == -top
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float16, torch.float64])
+def test_nvfp4_stochastic_rounding_draws_float32_noise_whatever_the_default_dtype(default):
+    """Found by a review: the noise was ``torch.rand(x.shape)`` in torch's default dtype,
+    which mixprec sets to the compute dtype in a "true" policy's forward and backward:
+    bfloat16 noise (8 bits) never rounds up a value less than 1/256 of a step above a grid
+    point, so the mean was biased (4.006 came out 4.0). Float32 noise under any default:
+    the same draws, and the same rounding, as under float32 from one seed."""
+    config = MicroscalingConfig.parse("nvfp4", "sr")
+    x = torch.full((1024, 16), 4.0 + 2.0**-8)  # 1/512 of a step (2 here) above 4
+    x[:, 0] = 6.0  # each block's largest: block and tensor scales put it on e2m1's 6
+    torch.manual_seed(1)
+    want = fake_quantize(x, config, stochastic=True)
+    with default_dtype(default):
+        torch.manual_seed(1)
+        got = fake_quantize(x, config, stochastic=True)
+    assert torch.equal(got, want)
+    # (4 and 6 times the tensor scale's float32 rounding: a hair off 4 and 6)
+    ups = int((got[:, 1:] > 5).sum())  # 15360 / 512 = 30 expected
+    assert 10 <= ups <= 60
+
+
+@pytest.mark.parametrize("default", [torch.float16, torch.bfloat16, torch.float64])
+def test_nvfp4_is_computed_in_float32_whatever_the_default_dtype(default):
+    """Found by a review: the 2^64 factor that scales a tiny tensor up was
+    ``torch.where(cond, 2.0**64, 1.0)``, in torch's default dtype (mixprec sets it in a
+    "true" policy's forward and backward): float16 made it inf, and a tensor of amax below
+    2^-64 quantized to all NaN; float64 made amax, s_enc and s_dec float64 (a float64
+    tensor scale, most values a step off). Float32, as documented, under any default."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    config = MicroscalingConfig("nvfp4")
+    tensors = [x, x * 1e-21, x * 1e-40]
+    want = [fake_quantize(t, config) for t in tensors]
+    want_packed = [quantize_nvfp4(t, two_d=True) for t in tensors]
+    with default_dtype(default):
+        got = [fake_quantize(t, config) for t in tensors]
+        got_packed = [quantize_nvfp4(t, two_d=True) for t in tensors]
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.float32 and torch.isfinite(g).all() and torch.equal(g, w)
+    for g, w in zip(got_packed, want_packed, strict=True):
+        assert g.tensor_scale.dtype == torch.float32
+        assert torch.equal(g.tensor_scale, w.tensor_scale)
+        assert torch.equal(g.codes, w.codes) and torch.equal(g.block_scales, w.block_scales)

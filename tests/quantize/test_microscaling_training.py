@@ -11,15 +11,24 @@ Blackwell), and `test_cuda.py`-style tests are not needed: every device emulates
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import mixprec
+from mixprec.dtypes import default_dtype
 from mixprec.formats.microscaling import MicroscalingConfig
 from mixprec.quantize.block_formats import fake_quantize, quantize_mx, quantize_nvfp4
 from mixprec.quantize.microscaling import MicroscalingLinear, hadamard_16
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def mx(t: torch.Tensor, element: str = "e4m3", rounding: str = "rceil") -> torch.Tensor:
@@ -298,3 +307,68 @@ def test_activation_checkpointing_gives_the_plain_gradients():
     out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
     out.pow(2).sum().backward()
     assert torch.equal(x.grad, plain[0]) and torch.equal(layer.weight.grad, plain[1])
+
+
+IMPORTED_UNDER_FLOAT64 = """
+import json
+import torch
+torch.set_num_threads(1)
+torch.set_default_dtype(torch.float64)
+import mixprec
+torch.set_default_dtype(torch.float32)
+from torch import nn
+from mixprec.quantize.microscaling import MicroscalingLinear, hadamard_16
+ran = {}
+for spec in ("nvfp4/fwd-rht", "nvfp4/rht"):
+    torch.manual_seed(0)
+    layer = MicroscalingLinear.from_float(nn.Linear(32, 32), config=spec)
+    x = torch.randn(16, 32, requires_grad=True)
+    layer(x).sum().backward()
+    ran[spec] = bool(torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all())
+print(json.dumps({"dtype": str(hadamard_16().dtype), "ran": ran}))
+"""
+
+
+@pytest.mark.slow
+def test_the_hadamard_matrix_is_float32_when_mixprec_is_imported_under_float64():
+    """Found by a review: the random Hadamard matrix, built at import with
+    ``torch.ones(1, 1)``, took torch's default dtype then: mixprec imported under float64
+    (common in scientific code) made it float64, and every ``nvfp4/fwd-rht`` and
+    ``nvfp4/rht`` layer raised (float32 blocks times a float64 matrix). Float32 always."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORTED_UNDER_FLOAT64],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"dtype": "torch.float32", "ran": {"nvfp4/fwd-rht": True, "nvfp4/rht": True}}
+
+
+@pytest.mark.parametrize("spec", ["nvfp4", "nvfp4/fwd-rht", "nvfp4/2d:rht:sr"])
+def test_an_nvfp4_layer_gives_the_same_numbers_whatever_the_default_dtype(spec):
+    """Found by a review: under '64-true' (which sets torch's default dtype to float64 in
+    the forward and backward) an nvfp4 layer's tensor scales were computed in float64 and
+    its outputs differed from the same layer's outside it (9 of 20 seeds); its stochastic
+    rounding drew float64 noise. The same numbers, bit for bit, under any default."""
+
+    def run(default: torch.dtype) -> list[torch.Tensor]:
+        grads = []
+        for seed in range(3):
+            torch.manual_seed(seed)
+            linear = nn.Linear(64, 32).double()
+            layer = MicroscalingLinear.from_float(linear, spec)
+            x = torch.randn(16, 64, dtype=torch.float64, requires_grad=True)
+            with default_dtype(default):
+                out = layer(x)
+                out.backward(torch.ones_like(out))
+            grads += [out.detach(), x.grad, linear.weight.grad]
+        return grads
+
+    want = run(torch.float32)
+    for default in (torch.float64, torch.bfloat16, torch.float16):
+        for got, expected in zip(run(default), want, strict=True):
+            assert got.dtype == torch.float64 and torch.equal(got, expected), default

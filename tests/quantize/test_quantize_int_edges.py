@@ -325,3 +325,54 @@ def test_dequantize_of_a_bare_quantized_layer_returns_its_float_layer(mode):
     back = dequantize(quantized)
     assert type(back) is nn.Linear
     assert torch.equal(back.weight, expected.weight) and torch.equal(back.bias, expected.bias)
+
+
+def _large_weight_net(spec: str) -> nn.Sequential:
+    """Linear, ReLU, quantized Linear whose weight holds one 1e7: its float32 scale is past
+    float16's range."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    with torch.no_grad():
+        model[2].weight[3, 4] = 1e7
+    quantize(model, spec)
+    return model
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4/32"])
+def test_a_refused_cast_leaves_the_refusing_layer_as_it_was(spec):
+    """Found by a review: ``model.half()`` cast the layer's scales (to float16's nearest:
+    inf for a 1e7 weight) before it refused them, and left them beside codes made for the
+    float32 ones: after ``model.float()``, the usual fallback, every output was NaN. The
+    refusing layer is left as it was: its codes, scales and bias untouched."""
+    model = _large_weight_net(spec)
+    layer = model[2]
+    h = torch.randn(4, 32)
+    want = layer(h)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError, match=r"torch\.float16"):
+        model.half()
+    for key, t in layer.state_dict().items():
+        assert t.dtype == before[key].dtype and torch.equal(t, before[key]), key
+    model.float()  # (the Linear before it was cast already: it is float again)
+    assert torch.equal(layer(h), want)
+    assert torch.isfinite(model(torch.randn(4, 32))).all()
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4/32"])
+def test_a_refused_load_leaves_the_layers_codes_and_scales_as_they_were(spec):
+    """Found by a review: a checkpoint whose float32 scales a float16 layer cannot store was
+    reported (RuntimeError) but its scales copied in all the same, rounded to nearest (inf)
+    beside the layer's own codes: NaN outputs. The refused codes and scales are not loaded
+    (as torch skips a tensor of the wrong shape), and not reported missing either."""
+    state = _large_weight_net(spec).state_dict()
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    quantize(model, spec)
+    model.half()
+    layer = model[2]
+    codes = {k: v.clone() for k, v in layer.code_buffers().items()}
+    with pytest.raises(RuntimeError, match="scales of '2' in torch.float16") as refused:
+        model.load_state_dict(state)
+    assert "Missing key" not in str(refused.value)
+    for key, t in layer.code_buffers().items():
+        assert t.dtype == codes[key].dtype and torch.equal(t, codes[key]), key
+    assert torch.isfinite(layer(torch.randn(2, 32, dtype=torch.float16))).all()

@@ -464,9 +464,12 @@ def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor
     # beside a subnormal s_dec, overflow float32 (clamped apart, elements encoded with one
     # factor decoded with another). NVFP4's codes do not depend on the tensor's scale:
     # elsewhere nothing changes, bit for bit.
+    # (float32 factors: two Python numbers would give torch's default dtype, which a
+    # "true" policy sets in the forward and backward: 2^64 is inf in float16)
+    up = torch.full_like(amax, 2.0**64)
     ups = []
     for _ in range(2):
-        ups.append(torch.where((amax > 0) & (amax < _TINY_AMAX), 2.0**64, 1.0))
+        ups.append(torch.where((amax > 0) & (amax < _TINY_AMAX), up, 1.0))
         x32, amax = x32 * ups[-1], amax * ups[-1]
     # (a division: a number over a tensor is its reciprocal times the number in torch, two
     # roundings, a float32 ulp off s_enc for a quarter of amaxes)
@@ -509,7 +512,8 @@ def fake_quantize(
 ) -> Tensor:
     """`x` quantized to `config`'s format and back (float32), in blocks along its last dim
     (NVFP4 `two_d`: 16x16 tiles of a matrix); `stochastic` rounds NVFP4 elements with
-    noise from torch's default generator of x's device."""
+    float32 noise (whatever torch's default dtype) from the default generator of x's
+    device."""
     _check_real(x, "fake_quantize")
     if not isinstance(config, MicroscalingConfig):
         raise TypeError(
@@ -523,5 +527,7 @@ def fake_quantize(
                 f"stochastic rounding of gradients), not {config.mode}'s"
             )
         return _mx_fake(x, _format(config.element), config.block_size, config.rounding)
-    noise = torch.rand(x.shape, device=x.device) if stochastic else None
+    # float32 noise, not the default dtype's (a "true" policy's backward sets it): 8-bit
+    # bfloat16 noise never rounds up a value within 1/256 of a step above a grid point
+    noise = torch.rand(x.shape, dtype=torch.float32, device=x.device) if stochastic else None
     return _nvfp4_fake(x, two_d, noise)

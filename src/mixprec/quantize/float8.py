@@ -169,13 +169,15 @@ def high_precision_matmul(
 ) -> Tensor:
     """``a @ b`` with both operands rounded to `dtype` and the result in `dtype`.
 
-    On CUDA a native matmul in `dtype`; elsewhere (or with `emulate`) a float32 matmul of the
-    rounded operands, rounded once: the same products with float32 accumulation, as a 16-bit
-    GEMM computes them, without the CPU's slow 16-bit kernels.
+    On CUDA a native matmul in `dtype`; elsewhere (or with `emulate`) a matmul of the
+    rounded operands in float32, or in `dtype` where it is wider (float64), rounded once:
+    for 16-bit dtypes the same products with float32 accumulation, as a 16-bit GEMM
+    computes them, without the CPU's slow 16-bit kernels.
     """
     if a.is_cuda and not emulate:
         return a.to(dtype) @ b.to(dtype)
-    return (a.to(dtype).float() @ b.to(dtype).float()).to(dtype)
+    wide = torch.promote_types(dtype, torch.float32)  # (float64 stays float64)
+    return (a.to(dtype).to(wide) @ b.to(dtype).to(wide)).to(dtype)
 
 
 def _delayed_scale(amax: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:

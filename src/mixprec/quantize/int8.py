@@ -707,12 +707,19 @@ class ScaledCodes:
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         old = self.code_buffers()
-        out = super()._apply(fn, recurse)  # type: ignore[misc]
         try:
             casts = _CASTS.setdefault(fn, CodeCasts())
         except TypeError:  # (a function that takes no weak reference: no sharing)
             casts = CodeCasts()
-        self._take_cast(old, self.code_buffers(), casts)
+        # the new buffers made first (`fn` of the scales is a copy of a vector): a cast
+        # refused (ScaleRangeError) leaves the layer as it was, nothing of it cast
+        scale = fn(old["weight_scale"])
+        new = casts.get(old, scale) or self.requantized(old, scale)
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        if new is None:  # (the plain casts hold the values)
+            new = self.code_buffers()
+        casts.put(old, new)
+        self.take_buffers(new)
         return out
 
     def cast_scales(
@@ -736,14 +743,21 @@ class ScaledCodes:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        refused: set[str] = set()
         if not local_metadata.get("assign_to_params_buffers", False):  # (assigned: as given)
             try:
                 self._requantize_loaded(state_dict, prefix)
             except ScaleRangeError as err:
                 error_msgs.append(str(err))
+                # not copied in (the scales rounded to nearest, inf past the range, beside
+                # codes made for others), as torch skips a tensor of the wrong shape
+                refused = {prefix + k for k in self.code_buffers()}
+                state_dict = {k: v for k, v in state_dict.items() if k not in refused}
         super()._load_from_state_dict(  # type: ignore[misc]
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        if refused:  # (given, so not missing: refused, as error_msgs says)
+            missing_keys[:] = [k for k in missing_keys if k not in refused]
 
     def _requantize_loaded(self, state_dict: dict[str, Any], prefix: str) -> None:
         """Put in `state_dict`, for code buffers whose scales are in another dtype than this

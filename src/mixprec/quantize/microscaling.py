@@ -47,7 +47,8 @@ _RHT_SEED = 0x5EED
 
 
 def _build_hadamard() -> Tensor:
-    h = torch.ones(1, 1)
+    # float32 whatever torch's default dtype at import (float64 in much scientific code)
+    h = torch.ones(1, 1, dtype=torch.float32)
     while h.shape[0] < 16:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     gen = torch.Generator().manual_seed(_RHT_SEED)
@@ -65,18 +66,19 @@ def hadamard_16(device: torch.device | str = "cpu") -> Tensor:
     return _hadamard_16(torch.device(device)).clone()
 
 
-def _hadamard_16(device: torch.device) -> Tensor:
-    """`hadamard_16`'s matrix on `device`, never handed out: `_HADAMARD_CPU`, made at import
-    (a compiled graph then creates no random generator and mutates no cache), moved (16x16
-    values) where the transform runs."""
-    return _HADAMARD_CPU.to(device)
+def _hadamard_16(device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """`hadamard_16`'s matrix on `device` in `dtype` (its values, +-1/4, are exact in any
+    float dtype), never handed out: `_HADAMARD_CPU`, made at import (a compiled graph then
+    creates no random generator and mutates no cache), moved (16x16 values) where the
+    transform runs."""
+    return _HADAMARD_CPU.to(device, dtype)
 
 
 def _rht(x: Tensor) -> Tensor:
     """x (float32, last dim a multiple of 16) with each 16 consecutive values of its last dim
-    multiplied by `hadamard_16`."""
+    multiplied by `hadamard_16` (in x's dtype: a matmul takes one dtype)."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 16, 16)
-    return (blocks @ _hadamard_16(x.device)).reshape(x.shape)
+    return (blocks @ _hadamard_16(x.device, x.dtype)).reshape(x.shape)
 
 
 def _pad_last(x: Tensor, multiple: int) -> Tensor:
