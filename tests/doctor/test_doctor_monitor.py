@@ -708,3 +708,36 @@ def test_a_reentrant_checkpoints_layers_keep_their_gradient_samples():
         )
     assert "precision/blk.2/grad_amax" in metrics[0]
     assert metrics[0] == metrics[1]
+
+
+class _Growing(nn.Module):  # a layer called 12 times, each call 4x its input: past 65504
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.cell = nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.cell.weight.copy_(torch.eye(8) * 4.0)
+
+    def forward(self, x):
+        h = self.pre(x)
+        for _ in range(12):
+            h = self.cell(h)
+        return self.head(h)
+
+
+def test_a_looped_layer_that_overflows_in_a_later_call_is_named():
+    """Found by a review: a layer's inputs were its largest over all its calls, so a layer
+    called in a loop whose 8th call overflowed float16 had non-finite inputs (its 9th call
+    took that inf) and was not taken for the culprit: the model itself was named ("layer
+    <root> produced inf/NaN"). Each call now notes whether its inputs were finite and its
+    output not; the first such call names its layer."""
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,))), batch_size=16)
+    monitor = PrecisionMonitor(every_n_steps=1)
+    trainer = Trainer(
+        precision="16-mixed", max_steps=1, callbacks=[monitor], allow_slow_precision=True, **QUIET
+    )
+    with pytest.warns(PrecisionWarning, match="produced inf/NaN"):
+        trainer.fit(_Growing(), data, loss_fn=F.cross_entropy)
+    nonfinite = [w for w in monitor.warnings if "produced inf/NaN" in w]
+    assert len(nonfinite) == 1 and nonfinite[0].startswith("layer cell produced inf/NaN")

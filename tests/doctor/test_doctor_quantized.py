@@ -96,3 +96,23 @@ def test_the_bench_times_quantized_policies_without_the_no_low_precision_paragra
     assert fp8["result"]["status"] == "ok" and len(fp8["result"]["mixprec"]["step_ms"]) == 2
     text = (out / "report.md").read_text()
     assert "float8_from_float32" in text and "why no mixed precision" not in text.lower()
+
+
+@pytest.mark.filterwarnings("ignore:precision .* is slow")
+def test_an_int8_layers_frozen_weight_is_not_judged_for_vanishing_updates():
+    """Found by a review: with an lr, the vanishing-update check walked the original model's
+    parameters in the policy's 16-bit param dtype, so an int8 layer (`int8_from_bf16-true`)
+    was judged by a float32 weight it never trains (its weight is frozen int8 codes, only its
+    bias trains): "92% of its parameter updates round away ... it stops learning", and
+    recommend un-quantized both layers. Only what the converted model trains is judged, in
+    the dtype it is stored in."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    with torch.no_grad():
+        for i in (0, 2):
+            model[i].weight.mul_(64)
+            model[i].bias.zero_()
+    batch = (torch.randn(16, 64), torch.randint(0, 2, (16,)))
+    d = diagnose(model, batch, nn.functional.cross_entropy, "int8_from_bf16-true", lr=1e-3)
+    assert d.modules["0"].vanishing == 0.0 and d.modules["2"].vanishing == 0.0
+    assert not d.findings

@@ -654,7 +654,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_positive(
         p,
         "--loss-scale",
-        "loss scale of the target's backward (default: where a dynamic scaler settles)",
+        "loss scale of the target's backward (default: where a dynamic scaler starting at "
+        "65536 runs the batch: halved until its gradients are finite)",
     )
     _add_positive(
         p,

@@ -28,6 +28,7 @@ from mixprec.doctor.verdicts import (
     BROKEN,
     DEFAULT_LOSS_SCALE,
     DEFAULT_TOLERANCE,
+    ERROR_AT_RISK,
     OK,
     QUANTIZED_TOLERANCE,
     FindingKind,
@@ -109,7 +110,7 @@ class Diagnosis:
         self.update = session.update
         if self.update is not None:
             grads = {n: g.value for n, g in ref.param_grads.items() if g is not None}
-            vanishing = vanishing_by_module(session.model, precision, grads, self.update)
+            vanishing = vanishing_by_module(session.model, target.trained, grads, self.update)
             for name, share in vanishing.items():
                 if name in self.modules:
                     self.modules[name].vanishing = share
@@ -578,7 +579,9 @@ class Diagnosis:
                     "another precision"
                 )
             else:
-                own = ", so there is no layer to move: the error builds up over many layers"
+                own = ", so there is no layer to move: " + (
+                    _backward_only(trial, tolerance) or "the error builds up over many layers"
+                )
             return PrecisionError(
                 f"{self.precision.default.name}{after} is not within tolerance {tolerance:g} "
                 f"of {self.reference.default.name} (loss error {trial.loss_rel_error:.3g}, "
@@ -798,7 +801,7 @@ def _given_scale(loss_scale: Any) -> float:
     except (TypeError, ValueError):
         raise TypeError(
             "loss_scale must be a positive number, a LossScaler or None (where a dynamic "
-            f"scaler settles), got {loss_scale!r}"
+            f"scaler runs the batch), got {loss_scale!r}"
         ) from None
     if not scale > 0 or not math.isfinite(scale):
         raise ValueError(f"loss_scale must be a positive finite number, got {loss_scale}")
@@ -831,9 +834,9 @@ def diagnose(
     `model(batch)` (`mixprec.step.batch_loss`).
 
     `loss_scale` is the scale the target's backward runs at: a number, a LossScaler (its
-    current scale), or None for what a dynamic scaler starting at 2^16 settles at on this
-    batch (1 when the policy needs no scaling; at most 32768 when the loss itself is
-    float16, whose gradient is the scale).
+    current scale), or None for the one a dynamic scaler starting at 2^16 runs this batch
+    at: halved until the gradients are finite, to the recommended scale at most (1 when
+    no scaling is needed; at most 32768 for a float16 loss, whose gradient is the scale).
 
     With `lr`, weights stored in 16 bits (a "true" policy) are also checked for vanishing
     updates: the share of one optimizer step (`optimizer="adam"`: about `lr` per weight;
@@ -912,15 +915,21 @@ def _checked_arguments(model: Any, loss_fn: Any, seed: Any) -> int:
 def _target_run(
     session: Session, target_map: PolicyMap, ref: Recording, given: float | None, dynamic: bool
 ) -> tuple[Recording, float, float]:
-    """The target run at the `given` loss scale, or (None) where a dynamic scaler would
-    settle, run again lower when the loss's own dtype cannot hold that scale (`dynamic`: no
-    scale was given); the recording, its scale and the recommended scale."""
+    """The target run at the `given` loss scale, or (None) at the scale a dynamic scaler
+    starting at 2^16 runs this batch at: 2^16 halved until the gradients are finite, and
+    no higher than the loss's own dtype holds (`dynamic`: no scale was given); the
+    recording, its scale and the recommended scale."""
     narrow = range_dtype(target_map)
-    recommended = loss_scale_for(grad_amax(ref), narrow) if target_map.needs_loss_scaling else 1.0
+    peak = grad_amax(ref)
+    recommended = loss_scale_for(peak, narrow) if target_map.needs_loss_scaling else 1.0
     if given is not None:
         scale = given
+    elif target_map.needs_loss_scaling:
+        # a scaler halves only on an overflow: start where the reference's gradients fit
+        fits = largest_loss_scale(peak, narrow) if peak > 0 else DEFAULT_LOSS_SCALE
+        scale = max(min(DEFAULT_LOSS_SCALE, fits), min(DEFAULT_LOSS_SCALE, recommended))
     else:
-        scale = min(DEFAULT_LOSS_SCALE, recommended) if target_map.needs_loss_scaling else 1.0
+        scale = 1.0
     target = session.run(target_map, ref, scale)
     # a 16-bit loss's own gradient is the loss scale, so the scale must fit the loss's dtype
     held = largest_loss_scale(1.0, target.loss_dtype)
@@ -928,4 +937,70 @@ def _target_run(
     if dynamic and scale > held:
         scale = held  # where a dynamic scaler backs off to after one overflow
         target = session.run(target_map, ref, scale)
+    # not below the recommended scale: an overflow there, with `LOSS_SCALE_MARGIN`
+    # headroom over the reference's gradients, is the run's to report, not the scale's
+    floor = min(DEFAULT_LOSS_SCALE, recommended)
+    while dynamic and scale > floor and _backward_overflows(target):
+        scale /= 2  # as the scaler backs off on the overflow it sees
+        target = session.run(target_map, ref, scale)
     return target, scale, recommended
+
+
+def _backward_only(trial: Diagnosis, tolerance: float) -> str | None:
+    """Where every module's output agrees with the reference and the loss is within
+    `tolerance` but parameter gradients are not: the error is made in the backward (saved
+    activations kept lossily, a custom backward), which no layer's forward precision
+    changes. Says so, naming the worst parameters and where the error enters; else None."""
+    called = [m for m in trial.modules.values() if m.calls]
+    if not trial.loss_rel_error <= tolerance or any(
+        not m.rel_error <= ERROR_AT_RISK for m in called
+    ):
+        return None
+    params = [p for p in trial.params.values() if math.isfinite(p.rel_error)]
+    erring = sorted((p for p in params if p.rel_error > tolerance), key=lambda p: -p.rel_error)
+    if not erring:
+        return None
+    worst = ", ".join(f"{p.name} ({p.rel_error:.2g})" for p in erring[:5])
+    text = (
+        "every module's output agrees with the reference (the loss too), but the parameters' "
+        f"gradients do not: {worst}{' ...' if len(erring) > 5 else ''}; the error is made "
+        "in the backward, which no layer's forward precision changes"
+    )
+    # the backward runs the forward reversed: the error enters before the backward of the
+    # last module (in the forward) whose parameters' gradients err, and after that of the
+    # first one past it whose are right
+    order = {m.name: m.order for m in called}
+    bad = {p.module for p in erring if p.module in order}
+    good = {p.module for p in params if p.module in order} - bad
+    if bad:
+        last = max(bad, key=order.__getitem__)
+        after = min(
+            (g for g in good if order[g] > order[last]), key=order.__getitem__, default=None
+        )
+        top = order[after] if after is not None else math.inf
+        between = [
+            m.display_name
+            for m in called
+            if m.name
+            and order[last] < m.order < top
+            and not any(n.startswith(m.name + ".") for n in (last, after or ""))
+        ]
+        shown = "the loss" if after is None else after or "<root>"
+        text += f"; it enters the backward after {shown} and before {last or '<root>'}"
+        text += f": in {', '.join(between)}, or in code between them" if between else ""
+    if trial.precision.activations is not None:
+        text += (
+            " (the policy's activation rules, which keep the tensors layers save for the "
+            "backward, act there)"
+        )
+    return text
+
+
+def _backward_overflows(target: Recording) -> bool:
+    """The run's forward is finite and some gradient is not: an overflow a lower loss scale
+    may avoid (after a forward inf/NaN no scale makes the gradients finite)."""
+    values, params = target.rows()
+    if not math.isfinite(target.loss) or any(v.nonfinite for v in values.values()):
+        return False
+    grads = any(slot.grad_nonfinite for slot in target.slots.values())
+    return grads or any(p.nonfinite for p in params.values())

@@ -147,14 +147,15 @@ class PrecisionMonitor:
         self._handles: list[Any] = []
         self._pending: dict[str, list[tuple[torch.dtype, list[Tensor]]]] = {}
         self._grads: dict[str, list[Tensor]] = {}
-        # each layer's largest floating input magnitude (inf/NaN when one came in so), and
-        # in the order layers finish, each (layer, layer whose sample holds its output): a
-        # parent handing on its last child's output has no sample of its own
-        self._inputs: dict[str, Tensor] = {}
-        self._finished: list[tuple[str, str]] = []
-        # each output sampled: the layer whose sample it is and its version then (an output
-        # changed in place since is sampled again where it is handed on)
-        self._owners: dict[int, tuple[str, int]] = {}
+        # in the order layers finish, each output as (layer, layer whose sample holds it, its
+        # position here): a parent handing on its last child's output has no sample of its
+        # own; and for each, 1 where that call's inputs were finite and it is not (judged per
+        # call: a loop's call after the one that overflowed takes its inf)
+        self._finished: list[tuple[str, str, int]] = []
+        self._inputs: dict[tuple[str, str, int], Tensor] = {}
+        # each output sampled: the layer whose sample it is, its version then (an output
+        # changed in place since is sampled again where it is handed on) and its amax
+        self._owners: dict[int, tuple[str, int, Tensor]] = {}
         self._seen: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self._armed_step: int | None = None
         self._done_step: int | None = None
@@ -283,16 +284,11 @@ class PrecisionMonitor:
         samples = self._samples(step, names, grad_names, values[: len(values) - len(input_names)])
         metrics: dict[str, float] = {}
         # inf/NaN propagate downstream: only the layer that made them is named, the first (in
-        # the order layers finish) whose output is not finite and whose inputs were (a child
-        # finishes before its parent: one fed its parent's inf passes it on), else the first
-        bad = [
-            (n, owner)
-            for n, owner in finished
-            if owner in samples and not math.isfinite(samples[owner].amax)
-        ]
-        culprit = next(
-            (b for b in bad if math.isfinite(inputs.get(b[0], 0.0))), bad[0] if bad else None
-        )
+        # the order layers finish) with a call whose output is not finite and whose inputs
+        # were (a child finishes before its parent: one fed its parent's inf passes it on),
+        # else the first
+        bad = [e for e in finished if e[1] in samples and not math.isfinite(samples[e[1]].amax)]
+        culprit = next((e for e in bad if inputs.get(e, 0.0) > 0), bad[0] if bad else None)
         for name, sample in samples.items():
             sample = samples[name] = self._flag_flushed(name, sample)
             self.history.setdefault(name, deque(maxlen=self._maxlen)).append(sample)
@@ -317,10 +313,10 @@ class PrecisionMonitor:
             return
         try:
             name = self._names.get(id(module), "?") or "<root>"
-            self._record_inputs(name, args)
+            inputs = _inputs_amax(args)
             for t in floating_tensors(output):
                 if t.dtype in LOW_PRECISION_FLOATS and t.numel():
-                    self._record_output(name, t)
+                    self._record_output(name, t, inputs)
         except BaseException:
             self._abandon_step()
             raise
@@ -338,31 +334,33 @@ class PrecisionMonitor:
                     hook = self._grad_hook(name, format_info(t.dtype))
                     self._handles.append(t.register_hook(hook))
 
-    def _record_inputs(self, name: str, args: Any) -> None:
-        """Keep `name`'s largest floating input magnitude (over all its calls: one bad call
-        makes its inputs bad)."""
-        sizes = [_amax(t) for t in floating_tensors(args) if t.numel()]
-        if sizes:
-            largest = torch.stack(sizes).amax() if len(sizes) > 1 else sizes[0]
-            old = self._inputs.get(name)
-            self._inputs[name] = largest if old is None else torch.maximum(old, largest)
-
-    def _record_output(self, name: str, t: Tensor) -> None:
-        """Sample the output `t` of layer `name`, unless it is a child's output handed on
-        unchanged (one changed in place since its sample, a residual ``out += x``, is
-        sampled again: the old sample no longer says what this layer gives)."""
+    def _record_output(self, name: str, t: Tensor, inputs: Tensor | None) -> None:
+        """Sample the output `t` of a call of layer `name` (`inputs`: that call's largest
+        input magnitude), unless it is a child's output handed on unchanged (one changed in
+        place since its sample, a residual ``out += x``, is sampled again: the old sample no
+        longer says what this layer gives); note whether this call made inf/NaN."""
         owner = self._owners.get(id(t))
         version = _version(t)
         if id(t) in self._seen and owner is not None and owner[1] == version:
-            self._finished.append((name, owner[0]))
+            self._note_call((name, owner[0], len(self._finished)), owner[2], inputs)
             return
         self._seen[id(t)] = t
-        self._owners[id(t)] = (name, version)
-        self._finished.append((name, name))
         info = format_info(t.dtype)
-        self._pending.setdefault(name, []).append((t.dtype, _range_stats(t, info)))
+        stats = _range_stats(t, info)
+        self._owners[id(t)] = (name, version, stats[0])
+        self._note_call((name, name, len(self._finished)), stats[0], inputs)
+        self._pending.setdefault(name, []).append((t.dtype, stats))
         if t.requires_grad:  # (registered now: the gradient of this version of `t`)
             self._handles.append(t.register_hook(self._grad_hook(name, info)))
+
+    def _note_call(self, entry: tuple[str, str, int], amax: Tensor, inputs: Tensor | None) -> None:
+        """Note output `entry` of a call, with amax `amax`: 1 where it is not finite and the
+        call's inputs (largest magnitude `inputs`; None: none) were, on the device."""
+        self._finished.append(entry)
+        made = ~torch.isfinite(amax)
+        if inputs is not None:
+            made &= torch.isfinite(inputs.to(amax.device))
+        self._inputs[entry] = made.float()
 
     def _grad_hook(self, name: str, info: Any) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
@@ -634,9 +632,9 @@ class PrecisionMonitor:
 def _across_ranks(
     forward: list[tuple[str, torch.dtype, list[Tensor]]],
     grads: list[tuple[str, list[Tensor]]],
-    inputs: list[tuple[str, Tensor]],
-    finished: list[tuple[str, str]],
-) -> tuple[list[tuple[str, torch.dtype]], list[str], list[str], list[float], list[tuple[str, str]]]:
+    inputs: list[tuple[Any, Tensor]],
+    finished: list[Any],
+) -> tuple[list[tuple[str, torch.dtype]], list[str], list[Any], list[float], list[Any]]:
     """A monitored step's numbers over every rank of the default group, laid out as one
     rank's are (`PrecisionMonitor.end_step`): the names each rank recorded, in rank order;
     for each, the largest amax (NaN where a rank's was) and the summed counts; one object
@@ -721,6 +719,15 @@ def _version(t: Tensor) -> int:
     if not torch.compiler.is_compiling() and t.is_inference():
         return -1
     return t._version
+
+
+def _inputs_amax(args: Any) -> Tensor | None:
+    """The largest magnitude of a call's floating inputs (inf/NaN when one holds any); None
+    when it has none."""
+    sizes = [_amax(t) for t in floating_tensors(args) if t.numel()]
+    if not sizes:
+        return None
+    return torch.stack(sizes).amax() if len(sizes) > 1 else sizes[0]
 
 
 def _amax(t: Tensor) -> Tensor:

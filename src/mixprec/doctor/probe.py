@@ -105,6 +105,14 @@ def extreme(dtype: torch.dtype) -> float:
     return min(_finfo_max(dtype), _F32_MAX)
 
 
+def mask_floor(dtype: torch.dtype) -> float:
+    """The smallest magnitude that stands for a mask's fill in a floating `dtype` (as a
+    float32 snapshot holds it): the bottom of its top binade. An additive mask of
+    ``finfo(dtype).min`` plus a score is no longer the extreme itself (float16's -65504 + 20
+    is -65472; below a negative score it is -inf) but stays there."""
+    return 2.0 ** math.floor(math.log2(extreme(dtype)))
+
+
 def snapshot(t: Tensor) -> Tensor:
     """A detached float32 copy of `t` (later in-place ops on `t` do not reach it); float64's
     largest finite values (an attention mask's ``finfo(float64).min``) become float32's, as
@@ -148,9 +156,9 @@ class RefTensor:
     target: `base` moves them out of `value` (set to 0, kept in `bad` / `bad_values`), and a
     target holding the same value there is compared as 0 too (`agreeing_zeroed`). So are the
     values at its dtype's largest finite magnitude (`extreme`), the fill a mask written
-    ``torch.finfo(dtype).min`` gives: they stand for an infinity, and a target holding its
-    own dtype's extreme of the same sign there holds the same mask (`mixprec.convert` maps
-    one dtype's to another's as it casts)."""
+    ``torch.finfo(dtype).min`` gives: they stand for an infinity, and a target holding a
+    value of the same sign in its own dtype's top binade or beyond there (`mask_floor`: the
+    extreme itself, plus a score, or an infinity) holds the same mask."""
 
     def __init__(self, t: Tensor, scratch: Scratch) -> None:
         self.value = snapshot(t)
@@ -216,15 +224,16 @@ class RefTensor:
 
     def agreeing_zeroed(self, t: Tensor) -> Tensor:
         """`t` (after `base`), as a float32 copy with 0 where it holds the same inf/NaN as the
-        reference, or its own dtype's extreme where the reference holds its own (a mask's
-        fill); `t` itself when the reference holds neither."""
+        reference, or, where the reference holds its dtype's extreme (a mask's fill), a value
+        of that sign at or beyond its own dtype's `mask_floor`; `t` itself when the
+        reference holds neither."""
         if self.bad is None or self.bad_values is None:
             return t
-        mine = extreme(t.dtype)
+        floor = mask_floor(t.dtype)
         t = snapshot(t)
         got, ref = t[self.bad], self.bad_values
         same = (got == ref) | (got.isnan() & ref.isnan())
-        same |= (ref.abs() == self.extreme) & (got == torch.sign(ref) * mine)
+        same |= (ref.abs() == self.extreme) & (got * torch.sign(ref) >= floor)
         t[self.bad] = torch.where(same, 0.0, got)
         return t
 
@@ -292,7 +301,7 @@ class Comparisons:
             return
         info = _info(limit)
         unscaled = snapshot(target.reshape(-1))
-        mine = torch.tensor(extreme(target.dtype), dtype=torch.float32)  # (its mask fill)
+        mine = torch.tensor(mask_floor(target.dtype), dtype=torch.float32)  # (its mask fills)
         if scale != 1.0:
             unscaled.div_(scale)
             mine.div_(scale)
@@ -342,15 +351,15 @@ def _segment_stats(
     against `r`, where segment i's reference is checked against `high[i]` and `low[i]`
     (the dtype's max and smallest normal divided by the scale); three segment reductions.
     Where `r` holds inf/NaN itself, or its dtype's largest finite magnitude
-    (`ref_extreme[i]`, a mask's fill), both count as 0 if `t` holds the same, or its own
-    dtype's (`extreme[i]`, unscaled) of that sign (see RefTensor). Squares are summed in
-    float64 (a float32 sum overflows past 1.8e19)."""
+    (`ref_extreme[i]`, a mask's fill), both count as 0 if `t` holds the same, or a value of
+    that sign at or beyond `extreme[i]` (its own dtype's `mask_floor`, unscaled; see
+    RefTensor). Squares are summed in float64 (a float32 sum overflows past 1.8e19)."""
     bad = ~torch.isfinite(r)
     same = (t == r) | (t.isnan() & r.isnan())
     if ref_extreme is not None and extreme is not None:
         fill = r.abs() == torch.repeat_interleave(ref_extreme, lengths)
         bad |= fill
-        same |= fill & (t == torch.sign(r) * torch.repeat_interleave(extreme, lengths))
+        same |= fill & (t * torch.sign(r) >= torch.repeat_interleave(extreme, lengths))
     t = torch.where(bad & same, 0.0, t)
     r = torch.where(bad, 0.0, r)
     ra = r.abs()
@@ -444,6 +453,9 @@ class Recording:
         self.aliases: dict[str, tuple[str, ...]] = {}
         self.params_of: dict[str, list[str]] = {}
         self.param_limits: dict[str, torch.dtype] = {}
+        # the parameters the converted model trains, in the dtype it stores them in (a
+        # quantized layer's frozen codes are no parameter of it, or none that trains)
+        self.trained: dict[str, torch.dtype] = {}
         self.scratch = Scratch()
         self.comparisons = Comparisons(self.scratch)
         self._rows: dict[Any, Stats] | None = None

@@ -28,6 +28,7 @@ broken cases.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,12 +120,34 @@ class RunFacts:
 Rule = Callable[[ModuleReport, RunFacts], Finding | None]
 
 
+def _each_call(rule: Rule) -> Rule:
+    """`rule` applied to each call of a module called more than once, against that call's
+    own inputs (a loop's later calls take the values its earlier calls made, whose error or
+    range is its own doing): the worst call's finding, the earliest of equal ones, its
+    reason saying which call."""
+
+    @functools.wraps(rule)
+    def judged(m: ModuleReport, run: RunFacts) -> Finding | None:
+        if not m.per_call:
+            return rule(m, run)
+        found = [(c, f) for c in m.per_call if (f := rule(c, run)) is not None]
+        if not found:
+            return None
+        c, f = min(found, key=lambda cf: (cf[1].verdict.severity, cf[0].call))
+        where = f"in call {(c.call or 0) + 1} of {m.calls}, "
+        return Finding(f.verdict, f.kind, where + f.reason)
+
+    return judged
+
+
 def forward_overflow(m: ModuleReport, run: RunFacts) -> Finding | None:
     """inf/NaN start in this module's forward: a call with finite inputs gave a non-finite
     output. Broken, and a wider range fixes it. The reason names what overflowed: the
     output, the input as it is cast to the run's dtype here, or a value inside."""
     if m.name not in run.origins.forward:
         return None
+    # a loop's call that overflowed: later calls' inputs are its own inf/NaN outputs
+    m = next((c for c in m.per_call if c.nonfinite and not c.input_nonfinite), m)
     info, limit = run.info(m), run.limit
     if m.amax > info.max:
         reason = (
@@ -192,6 +215,7 @@ def gradients_flush(m: ModuleReport, run: RunFacts) -> Finding | None:
     return Finding(BROKEN, run.too_low, reason)
 
 
+@_each_call
 def output_near_max(m: ModuleReport, run: RunFacts) -> Finding | None:
     """A low-precision output within `HEADROOM` (4x) of its dtype's max: two doublings of
     its activations, which training can bring, and it overflows. At risk, and a wider range
@@ -221,6 +245,7 @@ def output_near_max(m: ModuleReport, run: RunFacts) -> Finding | None:
     return Finding(AT_RISK, FindingKind.RANGE, reason)
 
 
+@_each_call
 def outputs_underflow(m: ModuleReport, run: RunFacts) -> Finding | None:
     """At least `UNDERFLOW_AT_RISK` (half) of a low-precision output's nonzero values are
     below its dtype's smallest normal, where they keep fewer bits or flush to zero: a few
@@ -273,6 +298,7 @@ def gradients_underflow(m: ModuleReport, run: RunFacts) -> Finding | None:
     return Finding(AT_RISK, run.too_low, reason)
 
 
+@_each_call
 def error_grows(m: ModuleReport, run: RunFacts) -> Finding | None:
     """The output's relative error against the reference is above `ERROR_AT_RISK` (0.1,
     SQNR below 20 dB) and `ERROR_GROWTH` (10) times its inputs' error (pooled over those

@@ -90,6 +90,7 @@ class Session:
         rec.loss_dtype = loss.dtype
         measure_param_grads(params, rec, reference, limits, scale)
         rec.param_limits = limits
+        rec.trained = {name: p.dtype for name, p in params if p.requires_grad}
         rec.types = {name: type(m).__name__ for name, m in model.named_modules()}
         paths: dict[int, list[str]] = {}  # (the first is the name the probe gives it)
         for path, m in model.named_modules(remove_duplicate=False):

@@ -9,7 +9,7 @@ The rules that turn these reports into verdicts live in `mixprec.doctor.rules`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from numbers import Real
 from typing import Any
@@ -178,6 +178,7 @@ class ModuleReport:
     target; `nonfinite` counts inf/NaN in the target; `rel_error` and `sqnr_db` compare the
     target output with the reference output. `input_rel_error`/`input_underflow` pool its
     input tensors that carry any (an exact mask beside a hidden state hides none of it).
+    `per_call` holds each call's own report when there are several (see the field).
     `grad_nonfinite`/`input_grad_nonfinite` count inf/NaN in the target's gradients of its
     output/inputs (at the run's loss scale); `param_*` describe the module's own parameters'
     gradients; `aliases` are its other paths (a module shared by two blocks, which the
@@ -217,6 +218,10 @@ class ModuleReport:
     origin: bool = False
     note: str = ""
     aliases: tuple[str, ...] = ()
+    # a module called more than once: one report per call (`call` its index), which the
+    # rules judge by that call's own inputs (a loop's later calls take its earlier outputs)
+    per_call: tuple[ModuleReport, ...] = field(default=(), repr=False)
+    call: int | None = None
 
     @property
     def display_name(self) -> str:
@@ -371,39 +376,27 @@ def _module_report(
     calls: list[Any],
     own: list[ParamReport],
 ) -> ModuleReport | None:
-    """The report of module `name` over its `calls` (`own`: its parameters' reports);
-    None when none of its outputs was recorded."""
+    """The report of module `name` over its `calls` (`own`: its parameters' reports), with
+    one view per call when there are several; None when none of its outputs was
+    recorded."""
     out_keys = [k for c in calls for k in c.outputs]
     in_keys = [k for c in calls for k in c.inputs]
-    out, inp = _rows(values, out_keys), _rows(values, in_keys)
-    if not out:
+    pooled = _call_fields(values, out_keys, in_keys)
+    if pooled is None:
         return None
-    # the error and underflow the inputs bring, pooled over the inputs that carry any: a
-    # large exact input (an additive attention mask) would swamp a hidden state's error
-    # beside it; the worst tensor alone would let a small side input hide a culprit
-    ins = [values[k] for k in dict.fromkeys(in_keys) if k in values and values[k].numel]
-    erring = combine([s for s in ins if s.rel_error > 0])
-    under = combine([s for s in ins if s.underflow])
     # (a parameter whose reference gradients are all at float32's rounding noise beside the
     # module's largest, such as attention's key bias, whose true gradient is zero: its
     # values are no signal to lose, and would count as underflowing)
     top = max((p.grad_amax for p in own), default=0.0)
     signal = [p for p in own if not p.grad_amax <= GRAD_NOISE * top]
     nonzero = sum(p.nonzero for p in signal)
-    return ModuleReport(
+    report = ModuleReport(
         name=name,
         type=target.types.get(name, ""),
         order=order,
         dtype=dtype_name(lowest_float([target.slots[k].dtype for k in out_keys])),
         calls=len(calls),
-        amax=out.amax,
-        amin=out.amin,
-        **_rates(out),
-        sqnr_db=out.sqnr_db,
-        input_amax=inp.amax if inp else 0.0,
-        input_nonfinite=int(inp.nonfinite) if inp else 0,
-        input_rel_error=erring.rel_error if erring else 0.0,
-        input_underflow=_frac(under.underflow, under.nonzero) if under else 0.0,
+        **pooled,
         input_dtype=dtype_name(lowest_float([target.slots[k].dtype for k in in_keys])),
         grad_nonfinite=_bad_grads(target, out_keys),
         input_grad_nonfinite=_bad_grads(target, in_keys),
@@ -413,6 +406,40 @@ def _module_report(
         else 0.0,
         param_grad_flushed=sum(p.flushed * p.nonzero for p in signal) / nonzero if nonzero else 0.0,
         param_grad_nonfinite=sum(p.nonfinite for p in own),
+    )
+    if len(calls) > 1:  # a loop's later calls take its own earlier outputs: judge each alone
+        views = [(c, _call_fields(values, c.outputs, c.inputs)) for c in calls]
+        report.per_call = tuple(
+            replace(report, calls=1, call=c.index, **fields)
+            for c, fields in sorted(views, key=lambda v: v[0].index)
+            if fields is not None
+        )
+    return report
+
+
+def _call_fields(
+    values: dict[Key, Stats], out_keys: list[Key], in_keys: list[Key]
+) -> dict[str, Any] | None:
+    """A report's output and input statistics over the tensors `out_keys` and `in_keys`;
+    None when no output was recorded."""
+    out, inp = _rows(values, out_keys), _rows(values, in_keys)
+    if not out:
+        return None
+    # the error and underflow the inputs bring, pooled over the inputs that carry any: a
+    # large exact input (an additive attention mask) would swamp a hidden state's error
+    # beside it; the worst tensor alone would let a small side input hide a culprit
+    ins = [values[k] for k in dict.fromkeys(in_keys) if k in values and values[k].numel]
+    erring = combine([s for s in ins if s.rel_error > 0])
+    under = combine([s for s in ins if s.underflow])
+    return dict(
+        amax=out.amax,
+        amin=out.amin,
+        **_rates(out),
+        sqnr_db=out.sqnr_db,
+        input_amax=inp.amax if inp else 0.0,
+        input_nonfinite=int(inp.nonfinite) if inp else 0,
+        input_rel_error=erring.rel_error if erring else 0.0,
+        input_underflow=_frac(under.underflow, under.nonzero) if under else 0.0,
     )
 
 
@@ -458,19 +485,23 @@ def _root_report(target: Recording, order: int) -> ModuleReport:
 
 
 def vanishing_by_module(
-    model: nn.Module, policy: PolicyMap, grads: dict[str, torch.Tensor], update: UpdateModel
+    model: nn.Module,
+    trained: dict[str, torch.dtype],
+    grads: dict[str, torch.Tensor],
+    update: UpdateModel,
 ) -> dict[str, float]:
     """Per module, the share of its own parameters' updates that round away in the dtype the
-    policy stores them in (16-bit weights without float32 masters only: `UpdateModel.stored_in`;
-    the others lose none), with the reference run's gradients sizing the steps."""
-    resolved = policy.resolve(model)
+    converted model stores them in (`trained`: the parameters it trains, by name, with their
+    dtype; a quantized layer's frozen weight is none of them; 16-bit weights without float32
+    masters only: `UpdateModel.stored_in`; the others lose none), with the reference run's
+    gradients sizing the steps and `model`'s weights as the converted ones start."""
     lost: dict[str, float] = {}
     sizes: dict[str, int] = {}
     for name, param in model.named_parameters():
         module = name.rpartition(".")[0]
-        dtype = resolved[module].policy.param_dtype
+        dtype = trained.get(name)
         grad = grads.get(name)
-        if grad is None or not update.stored_in(dtype):
+        if grad is None or dtype is None or not update.stored_in(dtype):
             continue
         delta = update.delta(grad.to(param.device))
         n = int((delta != 0).sum())
