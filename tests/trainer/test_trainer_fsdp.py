@@ -168,6 +168,13 @@ class _RaisesAfterFirstBatch(Callback):
         raise RuntimeError("callback error")
 
 
+class _RaisesAtStart(Callback):
+    """Raises before the first forward."""
+
+    def on_train_start(self, trainer, model):
+        raise RuntimeError("callback error")
+
+
 def _refit(directory: Path) -> dict[str, Any]:
     """A fit (2 micro-batches a step) raising inside its first window, caught; then the same
     model fit again one batch a step (as is a fresh model, for comparison): FSDP2's gradient
@@ -195,7 +202,12 @@ def _refit(directory: Path) -> dict[str, Any]:
         if (group := getattr(getattr(m, "_get_fsdp_state", lambda: None)(), "_fsdp_param_group",
                              None)) is not None
     }  # fmt: skip
-    for name, net in (("refit", model), ("fresh", BlockNet(tanh=True))):
+    unrun = BlockNet(tanh=True)  # (a fit raising before its first forward: no FSDP root yet)
+    try:
+        fit(trainer(1, callbacks=[_RaisesAtStart()]), unrun)
+    except RuntimeError:
+        pass
+    for name, net in (("refit", model), ("unrun", unrun), ("fresh", BlockNet(tanh=True))):
         t = trainer(1)
         fit(t, net)
         t.save_full_state_dict(directory / f"{name}.pt")
@@ -346,6 +358,11 @@ def test_a_refit_after_a_fit_raised_mid_window_trains_as_a_fresh_model(runs):
     assert max((fresh[k] - start[k]).abs().max().item() for k in start) > 0.01  # it trained
     for k, v in fresh.items():
         assert torch.equal(refit[k], v), k
+    # (and one whose fit raised before any forward: FSDP2 had set up no root to reset, and
+    # resetting it failed the refit, found by a diff review)
+    unrun = _weights(out / "unrun.pt")
+    for k, v in fresh.items():
+        assert torch.equal(unrun[k], v), k
 
 
 @pytest.mark.slow

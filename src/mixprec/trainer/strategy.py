@@ -26,6 +26,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import pickle
+import re
 import socket
 import sys
 import tempfile
@@ -549,6 +550,10 @@ class DDPStrategy(ProcessGroupStrategy):
         )
 
 
+# the start of torch's reducer error when a step's loss left parameters without gradients
+_REDUCER_WAITED = "Expected to have finished reduction in the prior iteration"
+
+
 class _DistributedDataParallel(DistributedDataParallel):
     """DistributedDataParallel whose forward says how to pass ``find_unused_parameters``
     through the Trainer when torch's reducer asks for it (torch's own advice names an
@@ -558,14 +563,29 @@ class _DistributedDataParallel(DistributedDataParallel):
         try:
             return super().forward(*args, **kwargs)
         except RuntimeError as err:
-            if self.find_unused_parameters or "find_unused_parameters" not in str(err):
+            said = str(err)
+            if self.find_unused_parameters or _REDUCER_WAITED not in said:
                 raise
             raise RuntimeError(
                 "DDP waited for gradients of parameters the last step's loss did not use (a "
-                "pooler, an unused branch): pass Trainer(strategy=DDP(find_unused_parameters="
-                "True)) (from mixprec.trainer import DDP), or make every parameter take part "
-                f"in the loss. torch said: {str(err).split('. ')[0]}"
+                "pooler, an unused branch"
+                + _unused_names(self.module, said)
+                + "): pass Trainer(strategy=DDP(find_unused_parameters=True)) (from "
+                "mixprec.trainer import DDP), or make every parameter take part in the loss. "
+                f"torch said: {said}"
             ) from err
+
+
+def _unused_names(module: nn.Module, said: str) -> str:
+    """The names of the parameters torch's reducer error lists by index (its indices count
+    the parameters that require gradients, in the module's order), as ``": a, b"``; empty
+    where it lists none."""
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", said)
+    if found is None:
+        return ""
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    picked = [names[int(i)] for i in found.group(1).split() if int(i) < len(names)]
+    return f": {', '.join(picked)}" if picked else ""
 
 
 class FSDPStrategy(ProcessGroupStrategy):
@@ -671,12 +691,16 @@ def _reset_sharded(model: nn.Module) -> None:
     raised inside a window left them, and the next run's first step added them to its own)."""
     from torch.distributed.fsdp import FSDPModule
 
-    reset = getattr(model, "reset_iter_state", None)  # (torch >= 2.12: waits, reshards)
-    if callable(reset):
-        reset()
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
+        # (each root an iteration ran from: the model, or a child a training_step called
+        # directly; FSDP2 sets a root on its first forward, and resetting one it never set
+        # up fails; torch >= 2.12: waits, reshards)
+        reset = getattr(module, "reset_iter_state", None)
+        root = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_is_root", None)
+        if callable(reset) and root is True:
+            reset()
         module.set_requires_gradient_sync(True, recurse=False)
         module.set_reshard_after_backward(True, recurse=False)
         # (FSDP2's private state, read with defaults: gone in another torch, nothing to clear)
