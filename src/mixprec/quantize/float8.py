@@ -176,8 +176,9 @@ def high_precision_matmul(
     """
     if a.is_cuda and not emulate:
         return a.to(dtype) @ b.to(dtype)
-    wide = torch.promote_types(dtype, torch.float32)  # (float64 stays float64)
-    return (a.to(dtype).to(wide) @ b.to(dtype).to(wide)).to(dtype)
+    if dtype == torch.float64:  # (wider than float32: its own matmul)
+        return a.to(dtype) @ b.to(dtype)
+    return (a.to(dtype).float() @ b.to(dtype).float()).to(dtype)
 
 
 def _delayed_scale(amax: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
