@@ -47,3 +47,28 @@ def test_a_block_compiled_before_setup_takes_its_option_as_the_eager_block_does(
     assert held == eager_held
     assert all(torch.equal(a, b) for a, b in zip(eager, grads, strict=True))
     assert on == {"1._orig_mod": option}
+
+
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+def test_a_block_compiled_inside_a_storing_model_runs_its_output_codecs_functions(option):
+    """Found by a diff review: inside a block compiled on its own, under a model storing in
+    ``bf16`` or ``fp8``, a softmax's or tanh's output stored near one, then another function
+    the storing mode handles (an ``amax``, a ``log1p``) failed with a KeyError: dynamo broke
+    inside the mode and ran the code it traced for the first function for the second. The
+    mode leaves functions alone while dynamo traces them; the compiled block trains."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return h.softmax(-1).amax(-1) + torch.log1p(-h.tanh().pow(2) * 0.5).sum(-1)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.compile(Block(), backend=BACKEND))
+    model = Precision("32-true", activations=option).setup(model)
+    model(torch.randn(8, 16)).sum().backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())

@@ -740,8 +740,40 @@ class NearOneSaved:
     def read(self) -> Tensor:
         if self.signed:
             return self.inner if self.inner.dtype == self.dtype else _untailed(self.inner)
+        if self.codec is None and self.inner.dtype != self.dtype:  # (float32 as bfloat16)
+            return _unnear(self.inner)
         near = self.inner if self.codec is None else self.codec.decode(self.inner)
         return torch.where(near.signbit(), near + 1.0, near).to(self.dtype)
+
+
+def _unnear(stored: Tensor) -> Tensor:
+    """A float32 ``p`` from its distance from 0 or 1 stored in bfloat16 (`NearOne.encode`),
+    a chunk at a time: no temporaries of the whole tensor's size beside the result (a
+    hand-written attention's probabilities are its largest saves)."""
+    out = torch.empty(stored.shape, dtype=torch.float32, device=stored.device)
+    flat, into, step = stored.view(-1), out.view(-1), _chunk(stored.device)
+    for start in range(0, flat.numel(), step):
+        near = flat[start : start + step].float()
+        into[start : start + step] = torch.where(near.signbit(), near.add(1.0), near)
+    return out
+
+
+def _near_bfloat16(t: Tensor, signed: bool) -> Tensor:
+    """`NearOne`'s stored form of a contiguous float32 ``t`` in bfloat16, a chunk at a time
+    (in range or infinite: what `ToBfloat16` stores, without its clamp)."""
+    out = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device)
+    flat, into, step = t.view(-1), out.view(-1), _chunk(t.device)
+    for start in range(0, flat.numel(), step):
+        part = flat[start : start + step]
+        if signed:
+            near = part.abs()
+            far = near > 0.5  # (NaN stays in the middle)
+            near.neg_().add_(1.0).reciprocal_().copysign_(part)  # (1 - |a| exact past 1/2)
+            into[start : start + step] = torch.where(far, near, part, out=near)
+        else:
+            # (1 - 1 is +0: -0 marks it)
+            into[start : start + step] = torch.where(part > 0.5, (1.0 - part).neg_(), part)
+    return out
 
 
 def _untailed(stored: Tensor) -> Tensor:
@@ -780,15 +812,11 @@ class NearOne(Codec):
         return t.numel() >= FP8.block and self.inner.stores(t)
 
     def encode(self, t: Tensor) -> Any:
-        if self.signed:
-            if t.dtype != torch.float32:  # (16-bit: a copy, as the output may be written to)
-                return NearOneSaved(t.clone(), None, t.dtype, signed=True)
-            near = t.abs()
-            far = near > 0.5  # (NaN stays in the middle)
-            near.neg_().add_(1.0).reciprocal_().copysign_(t)  # (1 - |a| exact past 1/2)
-            # (in bfloat16's range or infinite: what `ToBfloat16` stores, without its clamp)
-            stored = torch.where(far, near, t, out=near).to(torch.bfloat16)
-            return NearOneSaved(stored, None, t.dtype, signed=True)
+        if self.signed and t.dtype != torch.float32:  # (16-bit: a copy, as it may be written)
+            return NearOneSaved(t.clone(), None, t.dtype, signed=True)
+        if t.dtype == torch.float32:  # (stored in bfloat16, a chunk at a time)
+            stored = _near_bfloat16(t.contiguous(), self.signed)
+            return NearOneSaved(stored, None, t.dtype, signed=self.signed)
         near = torch.where(t > 0.5, (1.0 - t).neg_(), t)  # (1 - 1 is +0: -0 marks it)
         if self.store is _BF16 and near.dtype != torch.float32:  # (16-bit: as it is)
             return NearOneSaved(near, None, t.dtype)

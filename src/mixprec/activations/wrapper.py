@@ -457,6 +457,11 @@ class _SavesByFunction(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # (traced by dynamo, inside a block compiled on its own: its graphs do not store
+            # through a codec's hooks, and a break inside this method let code traced for
+            # one function run for the next, a tanh's branch for a clamp's: KeyError)
+            return func(*args, **kwargs)
         norm = None
         if _kept_exact(func, args, kwargs, self.fp8):
             hooks = _EXACT
