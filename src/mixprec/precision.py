@@ -294,17 +294,19 @@ class Precision:
         """The device `resolve` checked the policy against; None until it ran."""
         return self._resolved[0] if self._resolved is not None else None
 
-    def reset(self) -> None:
+    def reset(self, scaler: bool = True) -> None:
         """Begin another run with this precision: forget the models and optimizers set up so
-        far and start the scaler afresh (`LossScaler.reset`: its initial scale, no steps),
-        so every run starts alike. Its settings stay as they are now, those set through its
-        attributes since building included; the policy and the hardware check stay as
-        `resolve` left them. The Trainer calls this before each fit, validate, test and
-        predict (a resume then loads the checkpoint's scaler state over it)."""
+        far and (``scaler``) start the scaler afresh (`LossScaler.reset`: its initial scale,
+        no steps), so every run starts alike. Its settings stay as they are now, those set
+        through its attributes since building included (a checkpoint's, loaded since, give
+        way to those before it); the policy and the hardware check stay as `resolve` left
+        them. The Trainer calls this before each fit (a resume then loads the checkpoint's
+        scaler state over it), validate, test and predict (``scaler=False``: the scaler
+        stays as the last fit left it)."""
         self.optimizers = []
         self._converted = []
         self._step_work.clear()
-        if self._scaler is not None:
+        if self._scaler is not None and scaler:
             self._scaler.reset()
 
     @staticmethod

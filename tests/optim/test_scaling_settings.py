@@ -258,6 +258,25 @@ def test_an_initial_scale_set_before_the_first_step_is_the_scale_it_starts_from(
     assert loaded.loss_scale == 2.0**16
 
 
+def test_a_reset_after_a_load_puts_back_the_settings_in_force_before_it():
+    """Found by a diff review: a reset kept the settings a checkpoint had loaded, so a fresh
+    fit after a resumed one on the same Trainer trained with the checkpoint's growth
+    interval and bounds, not the ones it was configured with. A loaded checkpoint's settings
+    go with the run it resumes; a reset puts back those in force before the load (the
+    built ones, and those set since), and the next load's warning names them."""
+    scaler = DynamicLossScaler(2.0**16)
+    scaler.growth_interval = 50  # (set after building: configured)
+    saved = DynamicLossScaler(256.0, backoff_factor=0.25, growth_interval=3, max_scale=4096.0)
+    with pytest.warns(UserWarning, match=r"growth_interval 3 \(built with 50\)"):
+        scaler.load_state_dict(saved.state_dict())
+    assert (scaler.growth_interval, scaler.max_scale, scaler.init_scale) == (3, 4096.0, 256.0)
+    scaler.reset()
+    fresh = DynamicLossScaler(2.0**16, growth_interval=50)
+    assert scaler.state_dict() == fresh.state_dict()
+    with pytest.warns(UserWarning, match=r"growth_interval 3 \(built with 50\)"):
+        scaler.load_state_dict(saved.state_dict())
+
+
 @pytest.mark.parametrize("hysteresis", [1, 2])
 def test_reset_starts_the_scale_and_counters_afresh_with_the_settings_of_now(hysteresis):
     """Found by a review: a reset (``Precision.reset``, before each Trainer run) loaded the

@@ -278,6 +278,9 @@ class LossScaler:
         # whether the scale is still the one the run starts from (no update, no load since
         # building or `reset`): only then does a new ``init_scale`` move it
         self._at_start = True
+        # the settings in force before a checkpoint's replaced them (`load_state_dict`): the
+        # run it resumes trains on with the checkpoint's, and `reset` puts these back
+        self._configured: dict[str, Any] | None = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (a scaler pickled while its settings were plain attributes)
@@ -423,6 +426,11 @@ class LossScaler:
         to its start (a dynamic scaler's ``init_scale``), counters, growth tracker and
         credits to zero or full. The settings, set at building or since, are kept.
         `Precision.reset` calls this before each Trainer run."""
+        configured = getattr(self, "_configured", None)
+        if configured is not None:  # (the run a checkpoint's settings went with is over)
+            for attr, value in configured.items():
+                setattr(self, attr, value)
+            self._configured = None
         self._steps = self._skipped = self._consecutive = self._skips_at_floor = 0
         self._last_overflow = None
         self._scaled_since_update = False
@@ -440,6 +448,13 @@ class LossScaler:
         """
         self.check_state_dict(state)
         self._at_start = False  # (a resumed run's scale: a new init_scale waits for a reset)
+        if getattr(self, "_configured", None) is None:
+            counters = ("steps", "skipped_steps", "consecutive_skips", "skips_at_min_scale")
+            self._configured = {
+                attr: getattr(self, attr)
+                for key, attr in self._SAVED.items()
+                if key not in (*counters, "last_overflow_step")
+            }
         if "kind" not in state:
             self._load_foreign_state(state)
             return

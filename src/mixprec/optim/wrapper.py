@@ -1017,7 +1017,10 @@ class MasterKeyedState(MutableMapping):
     def __getitem__(self, p: Any) -> Any:
         key = self._key(p)
         if key not in self._state and not self._holds(key):
-            raise KeyError(p)
+            raise KeyError(
+                f"a {p.dtype} tensor of shape {tuple(p.shape)} this optimizer does not step "
+                "(a frozen layer's?): it has no state; .get(p) reads without making one"
+            )
         return self._state[key]
 
     def get(self, p: Any, default: Any = None) -> Any:

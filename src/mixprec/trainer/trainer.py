@@ -111,6 +111,7 @@ class Trainer:
     _fit_masters: tuple[nn.Module, dict[str, Tensor]] | None = None  # (likewise)
     _fit_run: FitRun | None = None  # (likewise)
     _fit_replaced: str | None = None  # (likewise)
+    _fit_released: str | None = None  # (likewise)
 
     def __init__(
         self,
@@ -190,6 +191,7 @@ class Trainer:
         # (what `optimizers` and `save_checkpoint` read); how one replaced its model's weights
         self._fit_run: FitRun | None = None
         self._fit_replaced: str | None = None
+        self._fit_released: str | None = None  # how an evaluation let its optimizers go
         # the last fit's, as it ended (here, or in the processes a DDP launch started)
         self._summary: dict[str, str] = {}
         self._gathered: dict[str, Tensor] | None = None  # a sharded run's weights, on rank 0
@@ -292,7 +294,8 @@ class Trainer:
 
     @property
     def optimizers(self) -> list[LossScaleOptimizer]:
-        """The wrapped optimizers of the current or last fit."""
+        """The wrapped optimizers of the current or last fit (on an accelerator, until an
+        evaluation starts: it frees their states' device memory)."""
         return self._fit_run.optimizers if self._fit_run is not None else []
 
     @property
@@ -443,6 +446,11 @@ class Trainer:
         rank; called on rank 0 alone (the default), the file holds rank 0's. After the fit (a
         validate or test too) it holds what it held as the fit ended."""
         run = self._fit_run
+        if run is None and self._fit_released is not None:
+            raise RuntimeError(
+                f"save_checkpoint after the fit: {self._fit_released}; save during or right "
+                "after the fit (ModelCheckpoint does)"
+            )
         if run is None:
             raise RuntimeError(
                 "save_checkpoint needs a model being trained: call it during or after "
@@ -615,7 +623,13 @@ class Trainer:
             seed_everything(self.config.seed)
         with determinism(self.config.deterministic):
             self.strategy.setup(stage)
-            reset_peak_memory(self.strategy.device)
+            device = self.strategy.device
+            if stage != "fit" and self._fit_run is not None and device.type != "cpu":
+                # (the fit's optimizer states would hold the accelerator's memory through
+                # the evaluation and after it, as they did not before it was kept)
+                self._fit_run = None
+                self._fit_released = f"{stage} freed its optimizers' {device.type} memory"
+            reset_peak_memory(device)
             failed = True
             try:
                 self.strategy.agree_on_version(self.loggers)
@@ -659,12 +673,10 @@ class Trainer:
         device = self.strategy.device
         model.to(device)
         precision = self._precision
-        # an evaluation steps no optimizer: the scaler stays as the last fit left it (that
-        # fit's optimizers, whose checkpoint holds it, share it)
-        scaler = None if fit or not precision.has_policy else precision.scaler.state_dict()
-        precision.reset()  # each run starts from the scaler as configured, no optimizers
-        if scaler is not None:
-            precision.scaler.load_state_dict(scaler)
+        # each run starts with no optimizers; a fit from the scaler as configured, and an
+        # evaluation, which steps no optimizer, with the scaler as the last fit left it
+        # (that fit's optimizers, whose checkpoint holds it, share it)
+        precision.reset(scaler=fit)
         is_sharded = self.strategy.shard(model, precision)
         optimizers, scheduler_configs = configured_optimizers(model, optimizer) if fit else ([], [])
         made = [opt(model) if callable(opt) else opt for opt in optimizers]
@@ -711,7 +723,7 @@ class Trainer:
             opts, precision.scaler.enabled, self.config.accumulate_grad_batches, self.strategy.name
         )
         self._current = self._fit_run = run
-        self._fit_replaced = None
+        self._fit_replaced = self._fit_released = None
         counts = {"training": run.num_training_batches}
         if run.val_loader is not None and self.strategy.sharded:  # (see `_check_same_batches`)
             limit = self.config.limit_val_batches
