@@ -2307,3 +2307,117 @@ def test_an_error_made_only_in_the_backward_is_said_to_be_there():
     assert "0.bias (0.53)" in message and "2.weight (0.41)" in message
     assert "enters the backward after 4 and before 2: in 3" in message
     assert "activation rules" in message, message
+
+
+class _FullRowMask(nn.Module):  # finfo.min on row 0 (a padded query) and half of the others
+    def forward(self, x):
+        m = torch.zeros_like(x)
+        m[..., 0, :] = torch.finfo(x.dtype).min
+        m[..., 1:, : x.shape[-1] // 2] = torch.finfo(x.dtype).min
+        return x + m
+
+
+@pytest.mark.parametrize("rows", [6, 600])  # measured batched, and alone (over 4096 values)
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
+def test_a_mask_overflowing_a_whole_row_is_blamed_not_the_softmax_after_it(rows, precision):
+    """Found by a diff review: a float16 mask of finfo.min plus scores below -16 is -inf,
+    which the fix above takes for the same mask. In a padded query's fully masked row the
+    softmax then makes NaN (the reference's row is finite), and the Softmax was "broken: 8
+    of 48 outputs are inf/NaN although its inputs are finite" (recommend moved the Linear
+    before the mask). Inputs are finite only without the infinities a mask's fill became;
+    where those make the NaN, the module that made them is named, as before."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    with torch.no_grad():
+        lin.bias.fill_(-40.0)
+        lin.weight.mul_(0.1)
+    model = nn.Sequential(lin, _FullRowMask(), nn.Softmax(-1), nn.Linear(8, 2))
+    batch = (torch.randn(rows, 8), torch.randint(0, 2, (rows,)))
+    d = diagnose(model, batch, F.cross_entropy, precision=precision)
+    mask, softmax = d.modules["1"], d.modules["2"]
+    assert [m.display_name for m in d.findings] == ["1"]
+    assert mask.verdict == BROKEN and mask.nonfinite == 8 + (rows - 1) * 4
+    assert "although its inputs are finite" in mask.reason
+    assert softmax.verdict == OK and softmax.nonfinite == 8
+    if precision == "16-mixed":
+        assert d.recommend().policy.rules == {"1": Policy("32-true")}
+
+
+class _Sqrt(nn.Module):
+    def forward(self, x):
+        return x.sqrt()
+
+
+def test_an_infinite_reference_activation_gradient_picks_a_loss_scale():
+    """Found by a diff review: sqrt at ReLU's exact zeros gives the reference an inf
+    activation gradient (ReLU's backward zeroes it: the parameters' are finite), and the
+    default loss scale's start took log2 of the largest gradient's room: "ValueError: math
+    domain error". No scale keeps inf finite: it starts at the recommended one, 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), _Sqrt(), nn.Linear(4, 2))
+    batch = (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    assert (d.loss_scale, d.recommended_loss_scale) == (1, 1)
+    assert math.isfinite(d.target_loss)
+
+
+class _MagnifyBackward(torch.autograd.Function):  # identity; its backward is (g * k) / k
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g * ctx.k) / ctx.k, None
+
+
+class _AmpBackward(nn.Module):
+    def forward(self, x):
+        return _MagnifyBackward.apply(x, 16.0)
+
+
+class _OverflowInside(nn.Module):
+    def forward(self, x):
+        return (x * 1e6) / 1e6
+
+
+def test_a_fix_a_dynamic_scaler_needs_no_more_is_not_said_to_need_a_loss_scale(tmp_path):
+    """Found by a diff review: with a forward overflow no loss scale helps, so the run stays
+    at 65536; recommend fixed the module that overflowed, but ran its trials at 65536
+    without the halving a dynamic scaler does, where 1's backward overflows float16: "the
+    fix also needs --loss-scale 16384". Trials at the default scale now choose it as the
+    first run does; an explicit scale stays fixed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _AmpBackward(), _OverflowInside(), nn.Linear(8, 2))
+    torch.manual_seed(5)
+    batch = (torch.randn(4, 8), torch.randint(0, 2, (4,)))
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    assert d.loss_scale == 65536 and [m.display_name for m in d.findings] == ["2"]
+    fix = d.recommend()
+    assert fix.policy.rules == {"2": Policy("32-true")} and fix.loss_scale is None
+    assert fix.verified.finite and fix.verified.loss_scale < 65536
+    fixed = diagnose(model, batch, F.cross_entropy, precision="16-mixed", loss_scale=65536)
+    assert fixed.recommend().loss_scale == 16384
+
+
+def test_a_forward_that_rounds_is_not_said_to_make_its_error_only_in_the_backward():
+    """Found by a diff review: the backward-only message took a forward within 0.1 of the
+    reference for one that agrees: a 14-layer bfloat16 ReLU MLP (module errors below
+    0.004, a gradient error of 0.2, both passes rounding in bfloat16) was said to make its
+    error "in the backward, which no layer's forward precision changes". It is said only
+    where the forward equals the reference within the reference dtype's own rounding."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(14):
+        layers += [nn.Linear(16, 16), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(16, 2))
+    batch = (torch.randn(32, 16), torch.randint(0, 2, (32,)))
+    d = diagnose(model, batch, F.cross_entropy, precision="bf16-true")
+    assert not d.findings and d.loss_rel_error < 0.1
+    assert all(m.rel_error < 0.1 for m in d.modules.values())
+    with pytest.raises(PrecisionError) as caught:
+        d.recommend(tolerance=d.grad_rel_error / 2)
+    message = str(caught.value)
+    assert "the error builds up over many layers" in message
+    assert "made in the backward" not in message

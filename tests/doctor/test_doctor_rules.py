@@ -170,3 +170,30 @@ def test_finding_kinds_are_the_strings_reports_carry():
     assert FindingKind.SCALE == "scale" and str(FindingKind.SCALE) == "scale"
     assert f"{FindingKind.RANGE}" == "range" and json.dumps(FindingKind.LOSS) == '"loss"'
     assert report("0").kind is FindingKind.NONE and not FindingKind.NONE
+
+
+def test_a_loops_forward_overflow_says_which_call_overflowed():
+    """Found by a diff review: `forward_overflow` took a looped module's numbers from the
+    call that overflowed but did not say which, unlike the other per-call findings ("in
+    call N of M", as docs/doctor.md says): "cell output reaches 1.2e5" of a 12-call loop
+    whose first seven calls are finite."""
+    calls = tuple(
+        report(
+            "cell",
+            calls=1,
+            call=i,
+            amax=1.2e5 if i >= 7 else 1.0,
+            nonfinite=10 if i >= 7 else 0,
+            input_nonfinite=10 if i > 7 else 0,
+        )
+        for i in range(12)
+    )
+    looped = report("cell", calls=12, amax=1.2e5, nonfinite=50, input_nonfinite=40, per_call=calls)
+    m = judged(looped, report(""), origins=Origins(forward={"cell"}), loss_finite=False)["cell"]
+    assert (m.verdict, m.kind) == (BROKEN, FindingKind.RANGE)
+    assert m.reason == (
+        "in call 8 of 12, output reaches 1.2e5 > float16 max 65504 (10 values become inf/NaN)"
+    )
+    # a module called once says no call
+    once = judged(report("0", amax=1e5, nonfinite=3), origins=Origins(forward={"0"}))["0"]
+    assert once.reason.startswith("output reaches")

@@ -28,7 +28,6 @@ from mixprec.doctor.verdicts import (
     BROKEN,
     DEFAULT_LOSS_SCALE,
     DEFAULT_TOLERANCE,
-    ERROR_AT_RISK,
     OK,
     QUANTIZED_TOLERANCE,
     FindingKind,
@@ -72,6 +71,9 @@ class ReferenceRunError(ValueError):
 _OUTPUT_TRIES = 3
 # modules `_upstream` looks at above a module broken in float32 (moving at most one)
 _UPSTREAM_TRIES = 8
+# a forward agrees with the reference when its errors are at most this many units of the
+# reference dtype's rounding (an op order that differs, not a lower precision)
+_AGREE_ULPS = 4
 
 
 class Diagnosis:
@@ -137,6 +139,9 @@ class Diagnosis:
         )
         self._session = session
         self._ref = ref
+        # where no loss scale was given: the scale a dynamic scaler starts this batch at,
+        # which `recommend`'s runs at the default scale start from too (see `_scaled_run`)
+        self._start: float | None = None
         self._shared: list[list[str]] | None = None  # (`_sharing`)
         self._tied: list[tuple[list[tuple[str, str]], bool]] = []
         # the modules whose output each module took as an input, in the order it took them
@@ -367,9 +372,19 @@ class Diagnosis:
             return str(error)
 
     def _trial(self, chosen: dict[str, Policy], loss_scale: float) -> Diagnosis:
+        """The run of the map of `chosen` at `loss_scale`; at the diagnosis's own scale
+        where no scale was given, at the one a dynamic scaler runs that map at (starting
+        where the diagnosis's started and halving on a backward overflow, as it would): a
+        fix needing no more than that needs no explicit loss scale."""
         policy = self._map(chosen)
-        target = self._session.run(policy, self._ref, loss_scale)
-        return Diagnosis(
+        start = self._start if loss_scale == self.loss_scale else None
+        if start is None:
+            target = self._session.run(policy, self._ref, loss_scale)
+        else:
+            target, loss_scale = _scaled_run(
+                self._session, policy, self._ref, start, self.recommended_loss_scale, True
+            )
+        trial = Diagnosis(
             self._session,
             policy,
             self.reference,
@@ -378,6 +393,8 @@ class Diagnosis:
             loss_scale,
             self.recommended_loss_scale,
         )
+        trial._start = self._start
+        return trial
 
     def recommend(self, tolerance: float | None = None) -> Recommendation:
         """The target policy with the fewest modules moved to a safer precision such that the
@@ -722,7 +739,8 @@ class Recommendation:
         log: step by step, which module was moved and what the run then showed.
         tolerance: the relative loss and gradient error the fix had to reach.
         loss_scale: the loss scale the fix needs when the diagnosed one overflowed or
-            underflowed (None: keep it); `verified` ran at it.
+            underflowed (None: keep it, or, where none was given, let a dynamic scaler
+            back off as it does); `verified` ran at it.
     """
 
     policy: PolicyMap
@@ -884,8 +902,11 @@ def diagnose(
             "problem is not the precision; check the model's ops (sqrt or a division at 0, "
             "log of 0) and the data"
         )
-    target, scale, recommended = _target_run(session, target_map, ref, given, loss_scale is None)
-    return Diagnosis(session, target_map, ref_map, ref, target, scale, recommended)
+    dynamic = loss_scale is None
+    target, scale, recommended, start = _target_run(session, target_map, ref, given, dynamic)
+    diagnosis = Diagnosis(session, target_map, ref_map, ref, target, scale, recommended)
+    diagnosis._start = start if dynamic else None
+    return diagnosis
 
 
 def _checked_arguments(model: Any, loss_fn: Any, seed: Any) -> int:
@@ -914,11 +935,11 @@ def _checked_arguments(model: Any, loss_fn: Any, seed: Any) -> int:
 
 def _target_run(
     session: Session, target_map: PolicyMap, ref: Recording, given: float | None, dynamic: bool
-) -> tuple[Recording, float, float]:
+) -> tuple[Recording, float, float, float]:
     """The target run at the `given` loss scale, or (None) at the scale a dynamic scaler
     starting at 2^16 runs this batch at: 2^16 halved until the gradients are finite, and
     no higher than the loss's own dtype holds (`dynamic`: no scale was given); the
-    recording, its scale and the recommended scale."""
+    recording, its scale, the recommended scale and the scale it started at."""
     narrow = range_dtype(target_map)
     peak = grad_amax(ref)
     recommended = loss_scale_for(peak, narrow) if target_map.needs_loss_scaling else 1.0
@@ -926,14 +947,38 @@ def _target_run(
         scale = given
     elif target_map.needs_loss_scaling:
         # a scaler halves only on an overflow: start where the reference's gradients fit
-        fits = largest_loss_scale(peak, narrow) if peak > 0 else DEFAULT_LOSS_SCALE
+        # (none does where they hold inf/NaN themselves: the recommended scale, 1, then)
+        if 0 < peak < math.inf:
+            fits = largest_loss_scale(peak, narrow)
+        else:
+            fits = DEFAULT_LOSS_SCALE if peak == 0 else recommended
         scale = max(min(DEFAULT_LOSS_SCALE, fits), min(DEFAULT_LOSS_SCALE, recommended))
     else:
         scale = 1.0
+    start = scale
     target = session.run(target_map, ref, scale)
     # a 16-bit loss's own gradient is the loss scale, so the scale must fit the loss's dtype
+    recommended = min(recommended, largest_loss_scale(1.0, target.loss_dtype))
+    target, scale = _scaled_run(session, target_map, ref, scale, recommended, dynamic, target)
+    return target, scale, recommended, start
+
+
+def _scaled_run(
+    session: Session,
+    target_map: PolicyMap,
+    ref: Recording,
+    scale: float,
+    recommended: float,
+    dynamic: bool,
+    target: Recording | None = None,
+) -> tuple[Recording, float]:
+    """The run of `target_map` at `scale` (`target`: already made), and (`dynamic`) as a
+    dynamic scaler starting there goes on: below what the loss's own dtype holds, then
+    halved while the backward overflows, down to `recommended` at most; the run and its
+    scale."""
+    if target is None:
+        target = session.run(target_map, ref, scale)
     held = largest_loss_scale(1.0, target.loss_dtype)
-    recommended = min(recommended, held)
     if dynamic and scale > held:
         scale = held  # where a dynamic scaler backs off to after one overflow
         target = session.run(target_map, ref, scale)
@@ -943,18 +988,20 @@ def _target_run(
     while dynamic and scale > floor and _backward_overflows(target):
         scale /= 2  # as the scaler backs off on the overflow it sees
         target = session.run(target_map, ref, scale)
-    return target, scale, recommended
+    return target, scale
 
 
 def _backward_only(trial: Diagnosis, tolerance: float) -> str | None:
-    """Where every module's output agrees with the reference and the loss is within
-    `tolerance` but parameter gradients are not: the error is made in the backward (saved
-    activations kept lossily, a custom backward), which no layer's forward precision
-    changes. Says so, naming the worst parameters and where the error enters; else None."""
+    """Where every module's output and the loss equal the reference's (within
+    `_AGREE_ULPS` of the reference's own rounding: a forward run in the reference's
+    precision) but parameter gradients are not within `tolerance`: the error is made in
+    the backward (saved activations kept lossily, a custom backward), which no layer's
+    forward precision changes. Says so, naming the worst parameters and where the error
+    enters; else None (a forward that rounds, however little, may make the error in the
+    backward of the ops it rounds, over many layers)."""
     called = [m for m in trial.modules.values() if m.calls]
-    if not trial.loss_rel_error <= tolerance or any(
-        not m.rel_error <= ERROR_AT_RISK for m in called
-    ):
+    agree = _AGREE_ULPS * format_info(trial.reference.default.compute_dtype).eps
+    if not trial.loss_rel_error <= agree or any(not m.rel_error <= agree for m in called):
         return None
     params = [p for p in trial.params.values() if math.isfinite(p.rel_error)]
     erring = sorted((p for p in params if p.rel_error > tolerance), key=lambda p: -p.rel_error)

@@ -56,6 +56,9 @@ class Stats(NamedTuple):
     flushed: float  # underflow values (see RefStats) that are zero in the target
     nonfinite: float  # inf/NaN in the target
     err_sq: float  # sum of squared differences target - reference (unscaled)
+    # infinities in the target taken as the reference's mask fill (see RefTensor): no error,
+    # but no finite value either, which a module reading them may turn into NaN
+    filled: float = 0.0
 
     @property
     def rel_error(self) -> float:
@@ -222,20 +225,21 @@ class RefTensor:
         over, under = self._counts[key]
         return RefStats(float(self.value.numel()), nonzero, amax, amin, over, under, sq)
 
-    def agreeing_zeroed(self, t: Tensor) -> Tensor:
+    def agreeing_zeroed(self, t: Tensor) -> tuple[Tensor, int]:
         """`t` (after `base`), as a float32 copy with 0 where it holds the same inf/NaN as the
         reference, or, where the reference holds its dtype's extreme (a mask's fill), a value
         of that sign at or beyond its own dtype's `mask_floor`; `t` itself when the
-        reference holds neither."""
+        reference holds neither. With the count of infinities taken as a fill."""
         if self.bad is None or self.bad_values is None:
-            return t
+            return t, 0
         floor = mask_floor(t.dtype)
         t = snapshot(t)
         got, ref = t[self.bad], self.bad_values
         same = (got == ref) | (got.isnan() & ref.isnan())
-        same |= (ref.abs() == self.extreme) & (got * torch.sign(ref) >= floor)
-        t[self.bad] = torch.where(same, 0.0, got)
-        return t
+        fill = (ref.abs() == self.extreme) & (got * torch.sign(ref) >= floor)
+        filled = int(torch.count_nonzero(fill & got.isinf()).item())
+        t[self.bad] = torch.where(same | fill, 0.0, got)
+        return t, filled
 
 
 def count_nonfinite(t: Tensor) -> int:
@@ -249,7 +253,7 @@ def _target_stats(
     """One target tensor against its reference, with no large temporaries; `flushed` counts
     the underflowing reference values that are zero in the target."""
     head = ref.stats(limit, scale)  # first: it moves the reference's own inf/NaN out
-    r, t = ref.value, ref.agreeing_zeroed(t)
+    r, (t, filled) = ref.value, ref.agreeing_zeroed(t)
     lost = 0
     if flushed and head.underflow > 0:
         low = _info(limit).smallest_normal / scale
@@ -260,7 +264,7 @@ def _target_stats(
     nonfinite = 0 if math.isfinite(err) else count_nonfinite(t)
     if not (nonfinite or math.isfinite(err)):  # finite values past float32 in r - t or its
         err = torch.linalg.vector_norm(r.double() - t.double() / scale).item()  # squares
-    return Stats(*head, float(lost), float(nonfinite), err * err)
+    return Stats(*head, float(lost), float(nonfinite), err * err, float(filled))
 
 
 class Comparisons:
@@ -353,13 +357,17 @@ def _segment_stats(
     Where `r` holds inf/NaN itself, or its dtype's largest finite magnitude
     (`ref_extreme[i]`, a mask's fill), both count as 0 if `t` holds the same, or a value of
     that sign at or beyond `extreme[i]` (its own dtype's `mask_floor`, unscaled; see
-    RefTensor). Squares are summed in float64 (a float32 sum overflows past 1.8e19)."""
+    RefTensor; the infinities among those are counted as `filled`). Squares are summed in
+    float64 (a float32 sum overflows past 1.8e19)."""
     bad = ~torch.isfinite(r)
     same = (t == r) | (t.isnan() & r.isnan())
+    filled = torch.zeros_like(same)
     if ref_extreme is not None and extreme is not None:
         fill = r.abs() == torch.repeat_interleave(ref_extreme, lengths)
         bad |= fill
-        same |= fill & (t * torch.sign(r) >= torch.repeat_interleave(extreme, lengths))
+        fill &= t * torch.sign(r) >= torch.repeat_interleave(extreme, lengths)
+        same |= fill
+        filled = fill & t.isinf()
     t = torch.where(bad & same, 0.0, t)
     r = torch.where(bad, 0.0, r)
     ra = r.abs()
@@ -374,6 +382,7 @@ def _segment_stats(
             tiny,
             tiny & (t == 0),
             ~torch.isfinite(t),
+            filled,
         ],
         dim=1,
     ).to(torch.float64)
@@ -385,9 +394,9 @@ def _segment_stats(
     )
     amax = torch.segment_reduce(ra, "max", lengths=lengths)
     amin = torch.segment_reduce(torch.where(nonzero, ra, math.inf), "min", lengths=lengths)
-    nonzero_n, overflow, underflow, flushed, nonfinite, ref_sq, err_sq = sums.unbind(1)
+    nonzero_n, overflow, underflow, flushed, nonfinite, filled_n, ref_sq, err_sq = sums.unbind(1)
     columns = [lengths.double(), nonzero_n, amax.double(), amin.double(), overflow, underflow]
-    columns += [ref_sq, flushed, nonfinite, err_sq]
+    columns += [ref_sq, flushed, nonfinite, err_sq, filled_n]
     return [Stats(*row) for row in torch.stack(columns, dim=1).tolist()]
 
 

@@ -143,11 +143,14 @@ def _each_call(rule: Rule) -> Rule:
 def forward_overflow(m: ModuleReport, run: RunFacts) -> Finding | None:
     """inf/NaN start in this module's forward: a call with finite inputs gave a non-finite
     output. Broken, and a wider range fixes it. The reason names what overflowed: the
-    output, the input as it is cast to the run's dtype here, or a value inside."""
+    output, the input as it is cast to the run's dtype here, or a value inside (and, for a
+    module called more than once, in which call)."""
     if m.name not in run.origins.forward:
         return None
     # a loop's call that overflowed: later calls' inputs are its own inf/NaN outputs
+    calls = m.calls
     m = next((c for c in m.per_call if c.nonfinite and not c.input_nonfinite), m)
+    where = f"in call {(m.call or 0) + 1} of {calls}, " if m.call is not None else ""
     info, limit = run.info(m), run.limit
     if m.amax > info.max:
         reason = (
@@ -165,7 +168,7 @@ def forward_overflow(m: ModuleReport, run: RunFacts) -> Finding | None:
             f"finite: a value inside it overflows {limit.name} "
             f"(output is at most {_fmt(m.amax)} in the reference)"
         )
-    return Finding(BROKEN, FindingKind.RANGE, reason)
+    return Finding(BROKEN, FindingKind.RANGE, where + reason)
 
 
 def backward_overflow(m: ModuleReport, run: RunFacts) -> Finding | None:

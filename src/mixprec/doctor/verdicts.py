@@ -310,7 +310,9 @@ def param_reports(target: Recording, params: dict[str, Stats]) -> dict[str, Para
 class Origins:
     """Where inf/NaN first appear in a target run.
 
-    `forward`: modules with finite inputs and a non-finite output; `backward`: modules whose
+    `forward`: modules with finite inputs (no infinity a mask's fill became either) and a
+    non-finite output, or that made such infinities which a later module turned into
+    inf/NaN (`_blame_fill`); `backward`: modules whose
     own backward turns a finite output gradient into non-finite input or parameter
     gradients; `arrival`: the module whose output gradient is the first non-finite gradient
     of the backward although no module's backward made it (it overflowed outside them, e.g.
@@ -336,6 +338,7 @@ def module_reports(
         calls_of.setdefault(call.name, []).append(call)
     reports: dict[str, ModuleReport] = {}
     origins = Origins()
+    fed: list[Any] = []  # calls whose inf/NaN come from infinities taken as a mask's fill
     for order, (name, calls) in enumerate(calls_of.items()):
         own = [params[p] for p in target.params_of.get(name, []) if p in params]
         report = _module_report(target, values, name, order, calls, own)
@@ -344,18 +347,60 @@ def module_reports(
         report.aliases = target.aliases.get(name, ())
         for c in calls:
             c_out, c_in = _rows(values, c.outputs), _rows(values, c.inputs)
-            if c_out and c_out.nonfinite > 0 and not (c_in and c_in.nonfinite):
+            # inputs are finite only without the infinities a mask's fill became either
+            if c_out and c_out.nonfinite > 0 and not (c_in and c_in.nonfinite + c_in.filled):
                 origins.forward.add(name)
+            elif c_out and c_out.nonfinite > 0 and c_in and not c_in.nonfinite:
+                fed.append(c)
             if not _bad_grads(target, c.outputs) and (
                 _bad_grads(target, c.inputs) or any(p.nonfinite for p in own)
             ):
                 origins.backward.add(name)
         reports[name] = report
+    for c in fed:
+        _blame_fill(target, values, reports, origins, c)
     _note_arrival(target, reports, origins)
     finite = math.isfinite(target.loss) and not any(p.nonfinite for p in params.values())
     if not finite and "" not in reports:
         reports[""] = _root_report(target, order=len(reports))
     return reports, origins
+
+
+def _blame_fill(
+    target: Recording,
+    values: dict[Key, Stats],
+    reports: dict[str, ModuleReport],
+    origins: Origins,
+    fed: Any,
+) -> None:
+    """Call `fed` made inf/NaN from infinities the target holds where the reference holds a
+    mask's finite fill (harmless where a softmax row keeps finite entries, not in a fully
+    masked one): the module that made them from finite inputs, and handed them to `fed`
+    (the innermost, a child finishing first), is where they start, its report counting
+    them as inf/NaN. Infinities made by code between modules leave the block running that
+    code to blame (its inputs are finite)."""
+    maker = None
+    for c in target.calls:
+        if c is fed:
+            break
+        if not set(c.outputs) & set(fed.inputs):
+            continue
+        c_out, c_in = _rows(values, c.outputs), _rows(values, c.inputs)
+        if c_out and c_out.filled and not (c_in and c_in.nonfinite + c_in.filled):
+            maker = c
+            break
+    if maker is None:
+        return
+    report = reports.get(maker.name)
+    if report is None or maker.name in origins.forward:
+        return
+    origins.forward.add(maker.name)
+    out = _rows(values, maker.outputs)
+    assert out is not None
+    views = [report] + [v for v in report.per_call if v.call == maker.index]
+    for view in views:
+        view.nonfinite += int(out.filled)
+        view.rel_error, view.sqnr_db = math.inf, -math.inf
 
 
 def _rows(values: dict[Key, Stats], keys: list[Key]) -> Stats | None:
