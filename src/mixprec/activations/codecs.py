@@ -376,7 +376,7 @@ class Codec:
         # (a tensor packed, seen again through another shape, or through a permutation of
         # the memory it fills: ``y @ y.t()`` saves both)
         dense = contiguous or _dense(t)
-        seen = self._packed.get(key) if dense else None
+        seen = (self._packed.get(key) or self._stored_apart(key)) if dense else None
         earlier = seen[2]() if seen is not None and seen[0]() is not None else None
         if earlier is not None:
             if isinstance(earlier, Fp8Saved):
@@ -398,6 +398,10 @@ class Codec:
             stride = None if contiguous else t.stride()
             self._packed[key] = (original, t.shape, weakref.ref(packed), stride)
         return packed
+
+    def _stored_apart(self, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The record of a tensor another codec stored as this one may read it back."""
+        return None
 
     def unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, AsIs):
@@ -557,6 +561,11 @@ class Fp8Saved:
 _FP8_STORED = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
+# what attention saves under ``fp8`` (`mixprec.activations.wrapper`): stored as ``bf16``
+# stores it, its backward recomputing the weights from the saved query and key
+ATTENTION = ToBfloat16()
+
+
 class ToFp8(Codec):
     """Saved float32, bfloat16 and float16 activations of at least one block stored as the
     states' fp8 codec stores a first moment, decoded back to their dtype when read (float64
@@ -595,10 +604,15 @@ class ToFp8(Codec):
             scales = torch.cat([s for _, s in pieces])
         return Fp8Saved(codes, scales, t.shape, t.dtype, stride)
 
+    def _stored_apart(self, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        # (attention's output, the next projection's input, stored once as attention's
+        # bfloat16 copy: less memory than a second copy in fp8, and nearer the value)
+        return ATTENTION._packed.get(key)
+
     def decode(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        if isinstance(packed, Copied):  # (a small view's copy: `encode`)
+        if isinstance(packed, Copied):  # (a small view's copy, or attention's: `encode`)
             return packed.read()
         numel = math.prod(packed.shape)
         out = native.fp8_decode(packed.codes, packed.scales, numel, packed.dtype, FP8.block)

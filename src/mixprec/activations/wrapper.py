@@ -25,13 +25,13 @@ from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
 from mixprec.activations.codecs import (
+    ATTENTION,
     CODECS,
     FP8,
     Centered,
     Codec,
     Keep,
     NearOne,
-    ToBfloat16,
     has_storage,
     weights_standing,
 )
@@ -196,11 +196,14 @@ def warn_if_root_unused(model: nn.Module) -> None:
 
 
 _SDPA = F.scaled_dot_product_attention
+_MHA = F.multi_head_attention_forward
+# runs a function's body with a torch function mode left on for the calls inside it (a
+# mode sees the outermost torch function of a call only); torch 2.13 and later
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
 # the functions whose saves `_SavesByFunction` stores as bf16 stores them under fp8:
-# attention, and nn.MultiheadAttention's functional form, which calls it where a torch
-# function mode cannot see (a mode sees the outermost torch function of a call only), so
-# all it saves goes so
-_ATTENTION_FUNCTIONS = (_SDPA, F.multi_head_attention_forward)
+# attention, and, where its body cannot be entered (`_REDISPATCH`), nn.MultiheadAttention's
+# functional form, which calls attention inside, so all it saves goes so
+_ATTENTION_FUNCTIONS = (_SDPA, _MHA)
 _T = torch.Tensor
 # functions whose backward finds the elements it picked by comparing its saved input with
 # its saved result (``result == self``): stored apart, a rounded one matches no element and
@@ -434,7 +437,8 @@ class _SavesByFunction(TorchFunctionMode):
       the rest as it is): its backward computes the attention weights again from the saved
       query and key against the saved log-sum-exp of the exact ones, and fp8's query and key
       no longer match it (docs/activations.md). nn.MultiheadAttention's functional form is
-      stored so whole, its projections' inputs too;
+      stored so whole, its projections' inputs too (its body entered where torch can:
+      `_REDISPATCH`, the softmax of ``need_weights`` stored as a softmax's);
     - the saves of functions picking elements by equality (`_PICKING`: amax, median, an inf
       norm) or by comparing two saves, or a save with a bound (`_COMPARING`: maximum, a
       clamp, threshold or shrink to a tensor or a bound other than 0, hardtanh, hardsigmoid,
@@ -463,10 +467,19 @@ class _SavesByFunction(TorchFunctionMode):
             # one function run for the next, a tanh's branch for a clamp's: KeyError)
             return func(*args, **kwargs)
         norm = None
+        if func is _MHA and _REDISPATCH is not None:
+            codec = _innermost_codec()
+            if codec is None or codec.name not in ("bf16", "fp8"):
+                return func(*args, **kwargs)
+            # its body under this mode (the softmax of ``need_weights`` stored as a
+            # softmax's), under fp8 all else as bf16 stores it, as before
+            whole = saved_tensors_hooks(ATTENTION.pack, ATTENTION.unpack)
+            with self, whole if self.fp8 else contextlib.nullcontext():
+                return _REDISPATCH(func, types, args, kwargs)
         if _kept_exact(func, args, kwargs, self.fp8):
             hooks = _EXACT
         elif self.fp8 and func in _ATTENTION_FUNCTIONS:
-            hooks = _ATTENTION
+            hooks = ATTENTION
         elif _op(func) in _ROW_NORMS:
             # (a call whose input or rows are not found: kept exact)
             norm, hooks = _centred(func, args, kwargs), _EXACT
@@ -494,9 +507,6 @@ class _SavesByFunction(TorchFunctionMode):
             hooks = NearOne(codec, signed=_NEAR_ONE_OUTPUTS[_op(func)])
         with saved_tensors_hooks(hooks.pack, hooks.unpack):
             return func(*args, **kwargs)
-
-
-_ATTENTION = ToBfloat16()
 
 
 def _innermost_codec() -> Codec | None:
