@@ -820,6 +820,18 @@ def test_a_parameter_listed_twice_by_an_iterator_group_is_refused():
     assert opt.param_groups[0]["params"] == [p, q]
 
 
+def test_a_parameter_named_twice_is_refused():
+    """Found by a review: a group given as (name, parameter) pairs went past the check,
+    which looked at the pairs, not their parameters: a tied weight listed under both names
+    (``named_parameters(remove_duplicate=False)``) moved about twice as far a step."""
+    tied = _params(((64, 96),))[0]
+    with pytest.raises(ValueError, match=r"lists a parameter of shape \[64, 96\] twice"):
+        AdamW8bit([("embed.weight", tied), ("head.weight", tied)], **KW)
+    p, q = _params(((64, 96), (32, 8)))
+    opt = AdamW8bit([("a", p), ("b", q)], **KW)  # (distinct parameters: taken, named)
+    assert opt.param_groups[0]["params"] == [p, q]
+
+
 def test_a_state_dict_leaves_the_live_state_as_it_was():
     """The layout a state dict records ("shards") went into the live state too (torch's
     state dict holds the state's own dicts), where a later load found an int among the

@@ -487,7 +487,10 @@ class LowBitOptimizer(StateCheckpoint):
             # the list torch makes of it, and checked as a list is)
             params = param_group["params"] = list(params)
             seen: set[int] = set()
-            for p in params:
+            for entry in params:
+                # (a (name, parameter) pair, as ``named_parameters()`` gives: its parameter;
+                # a tied weight listed under both names with ``remove_duplicate=False``)
+                p = entry[1] if isinstance(entry, tuple) and len(entry) == 2 else entry
                 if torch.is_tensor(p) and id(p) in seen:
                     raise ValueError(
                         f"a parameter group of {type(self).__name__} lists a parameter of shape "
