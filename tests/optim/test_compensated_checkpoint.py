@@ -3,6 +3,7 @@ checkpoint moved to another precision folds into its weights."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -178,3 +179,242 @@ def test_folding_kahan_buffers_drops_the_entries_the_next_step_would_drop():
     )
     opt.step()
     assert torch.equal(model.weight[:, :8], torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+# -- resumes by parameter name ---------------------------------------------------------------
+
+
+class _QK(nn.Module):
+    """Two same-shaped projections, defined q first (``first="q"``) or k first: the same
+    model after a refactor that reordered its fields."""
+
+    def __init__(self, first: str = "q") -> None:
+        super().__init__()
+        for name in (first, "k" if first == "q" else "q"):
+            setattr(self, name, nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x) * 2 - self.k(x)
+
+
+class _Wrapped(nn.Module):
+    """``inner`` under ``prefix`` (DDP's ``module``, torch.compile's ``_orig_mod``)."""
+
+    def __init__(self, inner: nn.Module, prefix: str) -> None:
+        super().__init__()
+        self.add_module(prefix, inner)
+        self.inner = [inner]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner[0](x)
+
+
+_RESUMED_SETTINGS = {
+    "16-true": (torch.float16, {}),
+    "bf16-kahan": (torch.bfloat16, {"scaler": "none", "compensation": "kahan"}),
+}
+
+
+def _qk_run(
+    setting: str, first: str, grouped: bool = False, wrap: str | None = None
+) -> tuple[nn.Module, LossScaleOptimizer]:
+    dtype, kw = _RESUMED_SETTINGS[setting]
+    torch.manual_seed(0)
+    model = _QK(first).to(dtype)
+    if grouped:  # one group per layer, in the fields' order, the second without decay
+        first_layer, second_layer = (model.q, model.k) if first == "q" else (model.k, model.q)
+        groups = [
+            {"params": list(first_layer.parameters()), "weight_decay": 0.1},
+            {"params": list(second_layer.parameters()), "weight_decay": 0.0},
+        ]
+    else:
+        groups = [{"params": list(model.parameters())}]
+    named = _Wrapped(model, wrap) if wrap else model
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    return model, LossScaleOptimizer(opt, model=named, **kw)
+
+
+def _qk_steps(model: nn.Module, opt: LossScaleOptimizer, seeds: range) -> None:
+    dtype = next(model.parameters()).dtype
+    for seed in seeds:
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        opt.backward(model(x).float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+
+
+def _per_name(model: nn.Module, opt: LossScaleOptimizer) -> dict[str, torch.Tensor]:
+    """Each parameter's weight, master (if any) and optimizer state, by name."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = p.detach().clone()
+        if p in opt.master_params:
+            out[name + ":master"] = opt.master_params[p].detach().clone()
+        for key, value in opt.state[p].items():
+            out[f"{name}:{key}"] = value.clone() if torch.is_tensor(value) else value
+    return out
+
+
+@pytest.mark.parametrize("setting", list(_RESUMED_SETTINGS))
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-group", "groups"])
+def test_a_resume_into_parameters_in_another_order_restores_each_by_name(setting, grouped):
+    """Found by a review: load_state_dict restored the masters and the optimizer's state
+    by position, never reading the saved param_names: a model whose same-shaped fields
+    were defined in another order (or whose groups were listed in another order) resumed
+    with its masters copied over the weights model.load_state_dict had just restored (q
+    and k swapped), and with each other's Adam moments and Kahan buffers. They now go
+    by name, each group's settings with its parameters: restored bit for bit, and the
+    16-true run resumes bit for bit (a Kahan step's rounding bits are keyed by a
+    parameter's position: the reordered model's next steps round otherwise, within it)."""
+    model, opt = _qk_run(setting, "q", grouped)
+    _qk_steps(model, opt, range(3))
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    state = copy.deepcopy(opt.state_dict())
+    at_save = _per_name(model, opt)
+    _qk_steps(model, opt, range(3, 5))  # the run that never stopped
+
+    resumed, fresh = _qk_run(setting, "k", grouped)  # q and k defined the other way round
+    resumed.load_state_dict(model_state)
+    fresh.load_state_dict(state)
+    loaded = _per_name(resumed, fresh)
+    assert at_save.keys() == loaded.keys() and any(k.endswith("exp_avg") for k in loaded)
+    if setting == "bf16-kahan":
+        assert any(k.endswith("compensation") for k in loaded)
+    for key, value in at_save.items():
+        assert _identical(loaded[key], value), key
+    _qk_steps(resumed, fresh, range(3, 5))
+    want, got = _per_name(model, opt), _per_name(resumed, fresh)
+    for key, value in want.items():
+        if setting == "16-true":
+            assert _identical(got[key], value), key
+        elif ":" not in key:
+            torch.testing.assert_close(got[key], value, atol=2e-3, rtol=0)
+    if grouped:  # each parameter in the group of its saved settings
+        for layer in ("q", "k"):
+            decay = [g["weight_decay"] for g in opt.param_groups if _holds(opt, g, model, layer)]
+            here = [
+                g["weight_decay"] for g in fresh.param_groups if _holds(fresh, g, resumed, layer)
+            ]
+            assert decay == here
+
+
+def _identical(a: object, b: object) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def _holds(opt: LossScaleOptimizer, group: dict, model: nn.Module, layer: str) -> bool:
+    return any(opt.model_param(p) is getattr(model, layer).weight for p in group["params"])
+
+
+def test_groups_whose_settings_would_mix_by_name_are_refused_before_anything_changes():
+    """Found by a review: a restore by name into groups holding other parameters than at
+    the save would give a group's settings to parameters saved with others': refused."""
+    model, opt = _qk_run("16-true", "q", grouped=True)
+    _qk_steps(model, opt, range(2))
+    state = opt.state_dict()
+    torch.manual_seed(0)
+    other = _QK("q").half()
+    groups = [  # weights in one group, biases in the other
+        {"params": [other.q.weight, other.k.weight], "weight_decay": 0.1},
+        {"params": [other.q.bias, other.k.bias], "weight_decay": 0.0},
+    ]
+    fresh = LossScaleOptimizer(torch.optim.AdamW(groups, lr=1e-2), model=other)
+    masters = [m.clone() for m in fresh.master_params.values()]
+    with pytest.raises(ValueError, match=r"(?s)group.*k\.weight.*q\.weight|q\.weight.*k\.weight"):
+        fresh.load_state_dict(state)
+    assert len(fresh.optimizer.state) == 0
+    assert all(
+        torch.equal(a, b) for a, b in zip(masters, fresh.master_params.values(), strict=True)
+    )
+
+
+def test_an_optimizer_state_of_another_model_is_refused_by_name_before_anything_changes():
+    """Found by a review: an optimizer state saved for another model whose parameters have
+    the same shapes (q and k here, a and b there) loaded by position without a word, its
+    masters copied over the model's weights. It is refused, naming parameters, before
+    anything is loaded."""
+    model, opt = _qk_run("16-true", "q")
+    _qk_steps(model, opt, range(2))
+    state = opt.state_dict()
+
+    class AB(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    torch.manual_seed(1)
+    other = AB().half()
+    fresh = LossScaleOptimizer(torch.optim.AdamW(other.parameters(), lr=1e-2), model=other)
+    weights = {k: v.clone() for k, v in other.state_dict().items()}
+    masters = [m.clone() for m in fresh.master_params.values()]
+    scale = fresh.loss_scale
+    for call in (fresh.check_state_dict, fresh.load_state_dict):
+        with pytest.raises(ValueError, match=r"(?s)q\.weight.*a\.weight|a\.weight.*q\.weight"):
+            call(state)
+    assert len(fresh.optimizer.state) == 0 and fresh.loss_scale == scale
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in weights.items())
+    assert all(
+        torch.equal(a, b) for a, b in zip(masters, fresh.master_params.values(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("saved_prefix", ["module", "_orig_mod", "_fsdp_wrapped_module", None])
+def test_a_state_saved_under_a_wrapper_prefix_resumes_by_name(saved_prefix):
+    """Found by a review (restores by name): the names of a model saved under DDP
+    (``module.``), torch.compile (``_orig_mod.``) or FSDP and resumed without it, or the
+    other way round, differ by that prefix on every name: matched without it, in another order
+    too, bit for bit."""
+    load_prefix = None if saved_prefix else "module"
+    model, opt = _qk_run("16-true", "q", wrap=saved_prefix)
+    _qk_steps(model, opt, range(3))
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    state = copy.deepcopy(opt.state_dict())
+    _qk_steps(model, opt, range(3, 5))
+
+    resumed, fresh = _qk_run("16-true", "k", wrap=load_prefix)
+    resumed.load_state_dict(model_state)
+    fresh.load_state_dict(state)
+    _qk_steps(resumed, fresh, range(3, 5))
+    want, got = _per_name(model, opt), _per_name(resumed, fresh)
+    for key, value in want.items():
+        assert _identical(got[key], value), key
+
+
+def test_a_state_moved_across_precisions_gives_each_parameter_its_own_moments():
+    """Found by a review (restores by name): load_state_dict_across_precisions took the
+    masters by name but the optimizer's state by position: into a model whose same-shaped
+    fields come in another order, q's moments went to k."""
+    model, opt = _qk_run("16-true", "q")
+    _qk_steps(model, opt, range(3))
+    state = copy.deepcopy(opt.state_dict())
+    weights = {**model.state_dict(), **master_weights_by_name(state, model.state_dict())}
+    resumed, fresh = _qk_run("bf16-kahan", "k")
+    resumed.load_state_dict(weights)
+    fresh.load_state_dict_across_precisions(state, weights)
+    for name, p in model.named_parameters():
+        mine = fresh.state[resumed.get_parameter(name)]
+        saved = opt.state[p]
+        assert torch.equal(mine["exp_avg"], saved["exp_avg"].to(mine["exp_avg"].dtype)), name
+
+
+def test_a_torch_optimizer_state_with_parameter_names_loads_by_name():
+    """Found by a review (restores by name): a torch optimizer's own state, built from
+    named_parameters() (its groups hold param_names, torch >= 2.6), loaded by position
+    into a wrapper over a model whose same-shaped fields come in another order."""
+    torch.manual_seed(0)
+    model = _QK("q")
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    resumed = _QK("k")
+    resumed.load_state_dict(model.state_dict())
+    fresh = LossScaleOptimizer(
+        torch.optim.AdamW(resumed.parameters(), lr=1e-2), scaler="none", model=resumed
+    )
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for name, p in model.named_parameters():
+        mine = fresh.state[resumed.get_parameter(name)]
+        assert torch.equal(mine["exp_avg"], opt.state[p]["exp_avg"]), name

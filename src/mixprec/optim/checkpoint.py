@@ -37,6 +37,10 @@ _PARAM_SHAPED_STATE = (
 # the keys of a LossScaleOptimizer.state_dict() that a load needs
 _STATE_KEYS = ("optimizer", "scaler", "master_weights", "param_shapes", "param_names")
 
+# the name components torch's wrappers insert anywhere in parameter names (torch.compile's,
+# FSDP's, activation checkpointing's): a model saved with or without them is the same model
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
 
 class OptimizerCheckpoint:
     """What a `LossScaleOptimizer` saves and restores (its base class): the wrapped
@@ -102,6 +106,7 @@ class OptimizerCheckpoint:
         state saved under another precision goes to ``load_state_dict_across_precisions``.
         """
         self.check_state_dict(state)
+        state = self._in_this_order(state)
         if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
             self._load_inner(state)
             self._keep_saved_dtypes(state)
@@ -215,10 +220,11 @@ class OptimizerCheckpoint:
         """Raise, changing nothing, what `load_state_dict` refuses in ``state`` (its keys;
         its parameters: their number per group, their shapes; the optimizer class that saved
         it; its compensation (its kind, and the entry the Compensator's load refuses), masters
-        and scaler state), for a caller that loads other things first (a Trainer's resume,
-        the weights)."""
+        and scaler state; its parameters' names, where both sides know them), for a caller
+        that loads other things first (a Trainer's resume, the weights)."""
         if not isinstance(state, Mapping):
             raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
+        state = self._in_this_order(state)
         if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
             self._check_inner_state(state, None)
             return
@@ -235,7 +241,7 @@ class OptimizerCheckpoint:
         if "optimizer" not in state or self.compensation_differs(state):
             return "optimizer" not in state
         try:
-            self._check_masters(state)
+            self._check_masters(self._in_this_order(state))
         except ValueError:
             return False
         return True
@@ -255,6 +261,7 @@ class OptimizerCheckpoint:
         if not isinstance(state, Mapping):
             raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
         self._check_keys(state)
+        state = self._in_this_order(state)
         self._check_inner_state(state["optimizer"], state["param_shapes"])
 
     def compensation_differs(self, state: Mapping[str, Any]) -> bool:
@@ -292,6 +299,7 @@ class OptimizerCheckpoint:
         would add them again or go stale. Everything is checked before anything is changed.
         """
         self.check_state_dict_across_precisions(state)
+        state = self._in_this_order(state)  # (the masters come by name from ``weights``)
         params = list(self._all_params())
         masters = self._masters.by_name(weights, params, self._param_names(), self._describe)
         self._load_inner(state["optimizer"])  # (cast to this run's dtypes, but ...)
@@ -312,6 +320,64 @@ class OptimizerCheckpoint:
         for group in self.optimizer.param_groups:
             given = group.get("param_names")
             out.extend([[n] for n in given] if given else [[] for _ in group["params"]])
+        return out
+
+    def _in_this_order(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state`` (a `state_dict`, or a torch optimizer's whose groups hold
+        ``param_names``) with its parameters in this optimizer's order, matched by name
+        where both sides know every parameter's names (`_by_name`: a wrapper's prefix
+        aside), as the model's own load matches them: its optimizer state (each group's
+        settings with the parameters saved in it), masters, shapes and names. A refactor
+        that reordered same-shaped fields or listed the groups otherwise would else trade
+        their states, and the masters copied over the weights the model's load restored.
+        Names unknown on a side: ``state`` as it is (by position, as before)."""
+        wrapped = "optimizer" in state
+        inner = state.get("optimizer") if wrapped else state
+        if not _well_formed(inner):
+            return state  # (refused with why by the checks)
+        groups = inner["param_groups"]
+        index = [key for g in groups for key in g["params"]]
+        saved_names = state.get("param_names") if wrapped else _group_names(groups)
+        if not _names_list(saved_names) or len(saved_names) != len(index):
+            return state
+        perm = _by_name(saved_names, self._param_names())
+        if perm is None or perm == list(range(len(index))):
+            return state
+        here = self.optimizer.param_groups
+        if len(here) != len(groups):
+            return state  # (refused as another set of groups)
+        group_of = [h for h, g in enumerate(groups) for _ in g["params"]]
+        local = [i for g in groups for i in range(len(g["params"]))]
+        new_groups, start = [], 0
+        for g, group in enumerate(here):
+            positions = list(range(start, start + len(group["params"])))
+            start += len(positions)
+            sources = sorted({group_of[perm[i]] for i in positions}) or [g]
+            for h in sources[1:]:
+                _refuse_mixed(g, groups, sources[0], h, positions, perm, group_of, saved_names)
+            first = groups[sources[0]]
+            new = {k: v for k, v in first.items() if k != "param_names"}
+            new["params"] = positions
+            if "param_names" in first:  # (torch's load keeps the saved ones: this one's)
+                new["param_names"] = group.get("param_names") or [
+                    groups[group_of[perm[i]]]["param_names"][local[perm[i]]] for i in positions
+                ]
+            new_groups.append(new)
+        moved = {
+            i: inner["state"][index[j]] for i, j in enumerate(perm) if index[j] in inner["state"]
+        }
+        # (state of no parameter: torch's load keeps it as it is)
+        known = set(index) | moved.keys()
+        kept = {k: v for k, v in inner["state"].items() if k not in known}
+        inner = {**inner, "state": {**moved, **kept}, "param_groups": new_groups}
+        if not wrapped:
+            return inner
+        masters, shapes = state.get("master_weights"), state.get("param_shapes")
+        out = {**state, "optimizer": inner, "param_names": [saved_names[j] for j in perm]}
+        if isinstance(masters, Mapping):
+            out["master_weights"] = {i: masters[j] for i, j in enumerate(perm) if j in masters}
+        if isinstance(shapes, list) and len(shapes) == len(perm):
+            out["param_shapes"] = [shapes[j] for j in perm]
         return out
 
     def _describe(self, index: int) -> str:
@@ -381,3 +447,129 @@ class OptimizerCheckpoint:
                             f"{name!r} {list(value.shape)}: this optimizer state belongs to "
                             f"another model"
                         )
+
+
+def _well_formed(inner: Any) -> bool:
+    return (
+        isinstance(inner, Mapping)
+        and isinstance(inner.get("state"), Mapping)
+        and isinstance(inner.get("param_groups"), list)
+        and all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list)
+            for g in inner["param_groups"]
+        )
+    )
+
+
+def _group_names(groups: list[Mapping[str, Any]]) -> list[list[str]] | None:
+    """Each parameter's name in a torch optimizer state's groups (torch >= 2.6 saves those
+    of an optimizer built from ``named_parameters()``), None where a group has none."""
+    out = []
+    for g in groups:
+        names = g.get("param_names")
+        if not isinstance(names, list) or len(names) != len(g["params"]):
+            return None
+        out.extend([n] for n in names)
+    return out
+
+
+def _names_list(names: Any) -> bool:
+    """Whether ``names`` names every parameter (a list of non-empty lists of str)."""
+    return isinstance(names, list) and all(
+        isinstance(n, list) and n and all(isinstance(x, str) for x in n) for n in names
+    )
+
+
+def _unwrapped(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _prefix_strip(ours: set[str], theirs: set[str]) -> int | None:
+    """The length of a prefix (ending at a ".") on all of ``ours`` that, stripped, leaves
+    ``theirs`` (DDP's ``module.``, a LightningModule's attribute), None without one."""
+    first = next(iter(ours), "")
+    ends = [i + 1 for i, c in enumerate(first) if c == "."]
+    for end in ends:
+        prefix = first[:end]
+        if all(n.startswith(prefix) for n in ours) and {n[end:] for n in ours} == theirs:
+            return end
+    return None
+
+
+def _by_name(saved: list[list[str]], here: list[list[str]]) -> list[int] | None:
+    """For each parameter ``here`` (its names, by position), the position of the saved one
+    of the same names (the same set: a shared parameter has several), or None where names
+    are unknown (one without) or not one parameter's each. Names that differ only by a
+    wrapper's parts (`_WRAPPER_PARTS`, anywhere) or a prefix on every name of one side
+    match without them; others are another model's: refused, naming some."""
+    if not (_names_list(saved) and _names_list(here)) or any(
+        len(set(map(frozenset, s))) < len(s) for s in (saved, here)
+    ):
+        return None
+    saved_all = {n for names in saved for n in names}
+    here_all = {n for names in here for n in names}
+    plain = _unwrapped
+    cut_saved = cut_here = 0
+    if saved_all != here_all:
+        saved_bare, here_bare = {plain(n) for n in saved_all}, {plain(n) for n in here_all}
+        if saved_bare != here_bare:
+            cut_saved = _prefix_strip(saved_bare, here_bare) or 0
+            cut_here = 0 if cut_saved else _prefix_strip(here_bare, saved_bare) or 0
+    keys_saved = [frozenset(plain(n)[cut_saved:] for n in names) for names in saved]
+    keys_here = [frozenset(plain(n)[cut_here:] for n in names) for names in here]
+    where = {key: j for j, key in enumerate(keys_saved)}
+    if len(where) == len(keys_saved) == len(set(keys_here)) and where.keys() == set(keys_here):
+        return [where[key] for key in keys_here]
+    missing = sorted(saved_all - here_all)
+    extra = sorted(here_all - saved_all)
+    found = [
+        f"{label}: {', '.join(names[:4])}"
+        + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        for label, names in (("not in this model", missing), ("not in the checkpoint", extra))
+        if names
+    ] or ["the same names, shared otherwise (tied parameters)"]
+    raise ValueError(
+        f"the checkpoint's optimizer state was saved for other parameters than this "
+        f"optimizer's ({len(saved)} there, {len(here)} here): {'; '.join(found)}. It belongs "
+        "to another model: its states are restored by name (a prefix a wrapper adds to every "
+        "name, as DDP's 'module.' or torch.compile's '_orig_mod.', aside). Nothing was loaded"
+    )
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return (
+            torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+        )
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_setting(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return a is b
+
+
+def _refuse_mixed(
+    g: int,
+    groups: list[Mapping[str, Any]],
+    h0: int,
+    h: int,
+    positions: list[int],
+    perm: list[int],
+    group_of: list[int],
+    names: list[list[str]],
+) -> None:
+    """Refuse a restore by name putting in this optimizer's group ``g`` parameters saved in
+    groups ``h0`` and ``h`` whose settings differ: one group's would go to the other's."""
+    keys = sorted((set(groups[h0]) | set(groups[h])) - {"params", "param_names"})
+    differ = [k for k in keys if not _same_setting(groups[h0].get(k), groups[h].get(k))]
+    if not differ:
+        return
+    a = next(names[perm[i]][0] for i in positions if group_of[perm[i]] == h0)
+    b = next(names[perm[i]][0] for i in positions if group_of[perm[i]] == h)
+    raise ValueError(
+        f"this optimizer's parameter group {g} holds {a}, saved in group {h0}, and {b}, saved "
+        f"in group {h}, whose settings differ ({', '.join(differ)}): restored by name, one "
+        f"group's settings would go to the other's parameters. Build the parameter groups as "
+        f"at the save (the same parameters together). Nothing was loaded"
+    )
