@@ -2049,3 +2049,145 @@ def test_a_float_buffer_at_its_dtypes_lowest_value_stays_finite_when_cast():
     model = mixprec.apply(Masked(), "bf16-true")
     assert model.mask.dtype == torch.bfloat16 and model.mask.isfinite().all()
     assert not model(torch.randn(2, 4)).isnan().any()
+
+
+class _MaskedRows(nn.Module):
+    """An additive attention mask buffer at float32's lowest value, its last row masked
+    whole (padding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        mask = torch.zeros(4, 4)
+        mask[:, 2:] = torch.finfo(torch.float32).min
+        mask[3, :] = torch.finfo(torch.float32).min
+        self.register_buffer("mask", mask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.lin(x) + self.mask, -1)
+
+
+@pytest.mark.parametrize("spec", ["bf16-true", "16-true"])
+def test_a_float32_checkpoint_loads_a_mask_buffer_finite_into_a_16_bit_model(spec):
+    """Found by a review: `apply` keeps a buffer at float32's lowest value finite (the
+    16-bit dtype's lowest), but loading the float32 checkpoint into the converted model
+    afterwards (pretrained weights, loaded after setup) copied it in as -inf: a fully
+    masked row's softmax was NaN. A converted model's load casts buffers as `apply` does;
+    every other value loads as before, and after `remove` a load is torch's own."""
+    dtype = bf16 if spec == "bf16-true" else f16
+    torch.manual_seed(0)
+    model = _MaskedRows()
+    checkpoint = copy.deepcopy(model.state_dict())
+    mixprec.apply(model, spec, warn=False)
+    applied = model.mask.clone()
+    with torch.no_grad():
+        model.lin.weight.zero_()
+    model.load_state_dict(checkpoint)
+    assert model.mask.dtype == dtype and torch.equal(model.mask, applied)
+    assert model.mask.min() == torch.finfo(dtype).min
+    assert not model(torch.randn(4, 4)).isnan().any()
+    assert torch.equal(model.lin.weight, checkpoint["lin.weight"].to(dtype))
+    assert checkpoint["mask"].dtype == f32 and checkpoint["mask"].min() == torch.finfo(f32).min
+    model.lin.load_state_dict({k[4:]: v for k, v in checkpoint.items() if k.startswith("lin.")})
+    own = model.state_dict()  # (the model's own checkpoint loads as it is)
+    model.load_state_dict(own)
+    assert torch.equal(model.mask, applied)
+    mixprec.remove(model)
+    assert not any(m._load_state_dict_pre_hooks for m in model.modules())
+    model.load_state_dict(checkpoint)
+    assert torch.equal(model.mask, checkpoint["mask"])
+
+
+class _SparseGraph(nn.Module):
+    """A graph layer multiplying by a sparse adjacency, a buffer or an argument."""
+
+    def __init__(self, adj: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        if adj is not None:
+            self.register_buffer("adj", adj)
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sparse.mm(self.adj if adj is None else adj, self.lin(x))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_sparse_tensor_reaching_a_16_bit_cast_is_cast():
+    """Found by a review: `_cast` looked for a mask's lowest value with ``torch.aminmax``,
+    which has no sparse kernel: a sparse adjacency given to a bf16-true model, held as its
+    buffer, given in float64 to a bf16-mixed one, or cast by ``convert_input`` raised, where
+    torch runs the model. Its values are looked at (their lowest value stays finite)."""
+    torch.manual_seed(0)
+    adj, x = torch.eye(5).to_sparse(), torch.randn(5, 8)
+    plain = _SparseGraph()
+    expected = copy.deepcopy(plain).bfloat16()(x.bfloat16(), adj.bfloat16())
+    out = mixprec.apply(plain, "bf16-true", warn=False)(x, adj)
+    assert out.dtype == bf16 and torch.equal(out, expected)
+    held = mixprec.apply(_SparseGraph(adj.clone()), "bf16-true", warn=False)
+    assert held.adj.dtype == bf16 and held.adj.is_sparse and held(x).dtype == bf16
+    mixed = mixprec.apply(_SparseGraph(), "bf16-mixed", warn=False)
+    assert mixed(x, adj.double()).dtype == f32
+    batch = mixprec.Precision("bf16-true", allow_slow=True).convert_input((x, adj))
+    assert batch[1].dtype == bf16 and batch[1].is_sparse
+    low = torch.finfo(f32).min
+    dense = torch.tensor([[0.0, low], [2.0, -low]])
+    for sparse in (dense.to_sparse(), dense.to_sparse_csr()):
+        cast = mixprec.convert.cast_floating(sparse, f16)
+        assert cast.layout == sparse.layout and cast.dtype == f16
+        want = [[0.0, torch.finfo(f16).min], [2.0, torch.finfo(f16).max]]
+        assert cast.to_dense().tolist() == want
+    uncoalesced = torch.sparse_coo_tensor(
+        [[0, 0], [1, 1]], [low / 2, low / 2], (2, 2), check_invariants=True
+    )
+    assert mixprec.convert.cast_floating(uncoalesced, bf16).to_dense()[0, 1] == -torch.inf
+
+
+@pytest.mark.parametrize("spec", ["p=bf16,c=f32", "p=f32,c=f64"])
+def test_lazy_layers_under_a_policy_casting_params_materialize_then_cast(spec):
+    """Found by a review: under a policy computing in another dtype than its params, the
+    region of an nn.Sequential made compute copies of a LazyLinear's parameters before its
+    lazy hook had given them a shape: the first forward raised torch's AssertionError
+    (in_features 0). Uninitialized parameters are left to the layer, whose own region
+    casts them once its hook has materialized them."""
+    policy = Policy(spec)
+    torch.manual_seed(0)
+    model = mixprec.apply(nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 4)), spec)
+    x = torch.randn(2, 5)
+    out = model(x)
+    assert out.dtype == policy.compute_dtype
+    assert {p.dtype for p in model.parameters()} == {policy.param_dtype}
+    c = policy.compute_dtype
+    h = F.linear(x.to(c), model[0].weight.to(c), model[0].bias.to(c)).relu()
+    assert torch.equal(out, F.linear(h, model[2].weight.to(c), model[2].bias.to(c)))
+    out.sum().backward()
+    assert model[0].weight.grad.dtype == policy.param_dtype
+    assert model[0].weight.shape == (8, 5)
+
+
+def test_apply_warns_of_finite_values_a_16_bit_cast_makes_infinities():
+    """Found by a review: under 16-true a float32 weight of 1e5 and a BatchNorm's variance
+    of 2e5 became inf at apply with no word (the output NaN, the float32 masters built from
+    the inf copies). Apply names the tensors, how many values and the largest; a float32
+    checkpoint loaded into the converted model warns alike. A mask's sentinel (kept finite)
+    and bf16-true (float32's range) do not warn."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), _MaskedRows())
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1e5
+        model[1].running_var.fill_(2e5)
+    checkpoint = copy.deepcopy(model.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mixprec.apply(copy.deepcopy(model), "bf16-true", warn=False)
+    assert not caught
+    with pytest.warns(UserWarning, match="0.weight, 1.running_var") as said:
+        mixprec.apply(model, "16-true", warn=False)
+    message = str(said[0].message)
+    assert "5 finite values" in message and "200000" in message and "2.mask" not in message
+    assert said[0].filename == __file__
+    assert model[0].weight[0, 0] == torch.inf
+    with pytest.warns(UserWarning, match=r"1 finite value .*0\.weight"):
+        model.load_state_dict({**checkpoint, "1.running_var": torch.ones(4)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.load_state_dict(model.state_dict())  # (nothing past the range: no word)

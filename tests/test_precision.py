@@ -308,3 +308,30 @@ def test_reset_keeps_the_scaler_settings_of_now_and_starts_its_state_afresh():
     static.scaler.update(torch.tensor(1.0), True)
     static.reset()
     assert static.scaler.stats() == LossScalerStats(128.0, 0, 0, 0, None)
+
+
+def test_a_forward_context_entered_again_while_entered_restores_on_the_outer_exit():
+    """Found by a review: one `forward_context()` object entered again while entered (a
+    nested ``with ctx:``, a function it decorates calling itself) kept one slot for what to
+    restore and one torch.autocast: after the outer exit autocast stayed on (float32
+    matmuls ran in bfloat16) and torch's ``backward_pass_autocast`` stayed "off"."""
+    from torch._functorch import config
+
+    precision = Precision("bf16-mixed", allow_slow=True)
+    model = precision.setup(nn.Linear(4, 4))
+    before = config.backward_pass_autocast
+    x = torch.randn(2, 4)
+    ctx = precision.forward_context()
+    with ctx:
+        with ctx:
+            assert torch.is_autocast_enabled("cpu")
+        assert torch.is_autocast_enabled("cpu") and (x @ x.T).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu") and config.backward_pass_autocast == before
+    assert (x @ x.T).dtype == torch.float32
+
+    @precision.forward_context()
+    def walk(n: int) -> torch.Tensor:
+        return walk(n - 1) if n else model(x)
+
+    assert walk(2).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu") and config.backward_pass_autocast == before

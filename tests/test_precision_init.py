@@ -135,3 +135,35 @@ def test_init_module_under_a_map_builds_in_its_widest_param_dtype():
         "bf16-true", allow_slow=True
     ).init_module():  # (one dtype: built in it, as before)
         assert torch.get_default_dtype() == torch.bfloat16
+
+
+@pytest.mark.parametrize("spec", ["p=bf16,c=f32", "p=f16,c=bf16", "p=f32,c=f64"])
+def test_init_module_builds_buffers_as_they_come_out_built_outside(spec):
+    """Found by a review: under a policy storing buffers wider than its params (one that
+    casts params, ``p=bf16,c=f32``), `init_module` built them in the param dtype: a buffer
+    computed at init (positions 0..999) ended float32 with bfloat16's rounding (errors up
+    to 2). Built in a dtype holding both, as far as a build outside would go (float32 for
+    ``p=f32,c=f64``), buffers and parameters come out as built outside and set up."""
+    import mixprec
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("pos", torch.arange(1000) * 1.0)
+            self.register_buffer("third", torch.tensor(1.0) / 3)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Positions()
+
+    precision = mixprec.Precision(spec, allow_slow=True)
+    with precision.init_module():
+        built = build()
+    model, outside = precision.setup(built), precision.setup(build())
+    policy = precision.policy.default
+    assert model.pos.dtype == policy.buffer_dtype and model.lin.weight.dtype == policy.param_dtype
+    mine = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, tensor in [*outside.named_parameters(), *outside.named_buffers()]:
+        assert mine[name].dtype == tensor.dtype and torch.equal(mine[name], tensor), name
+    assert torch.equal(model.pos, torch.arange(1000, dtype=policy.buffer_dtype))

@@ -94,13 +94,39 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     if sentinels is None or not t.numel():  # (a nested tensor: torch's padded fast path's data)
         return out
     top, narrow = sentinels
+    if t.layout is not torch.strided:  # (sparse: its stored values, in place in the copy)
+        values = _sparse_values(t)
+        if values is not None and values.numel() and not torch.compiler.is_compiling():
+            _keep_finite(values, _sparse_values(out), top, narrow)  # type: ignore[arg-type]
+        return out
     if torch.compiler.is_compiling():  # (out of place, no branch on values: one graph)
         return torch.where(t == -top, -narrow, torch.where(t == top, narrow, out))
+    if t.device.type == "cpu":  # (`_keep_finite` inline: a call less on every forward)
+        low, high = torch.aminmax(t)  # (no sync on a CPU: the common tensor holds neither)
+        if -top < float(low) and float(high) < top:
+            return out
+    return out.masked_fill_(t == -top, -narrow).masked_fill_(t == top, narrow)
+
+
+def _keep_finite(t: Tensor, out: Tensor, top: float, narrow: float) -> Tensor:
+    """``out`` (``t`` cast, strided) with ``t``'s values at ``-top`` and ``top`` set to
+    ``-narrow`` and ``narrow``, in place (`_cast`'s, for a sparse tensor's values)."""
     if t.device.type == "cpu":
         low, high = torch.aminmax(t)  # (no sync on a CPU: the common tensor holds neither)
         if -top < float(low) and float(high) < top:
             return out
     return out.masked_fill_(t == -top, -narrow).masked_fill_(t == top, narrow)
+
+
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _sparse_values(t: Tensor) -> Tensor | None:
+    """The stored values of a sparse ``t`` (COO, coalesced or not, or compressed), as an
+    alias of its own; None for another layout."""
+    if t.layout is torch.sparse_coo:
+        return t._values()
+    return t.values() if t.layout in _COMPRESSED else None
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
@@ -786,18 +812,23 @@ def _with_default_dtype(dtype: torch.dtype, forward: Any, *args: Any, **kwargs: 
         return forward(*args, **kwargs)
 
 
+_LAZY = nn.parameter.UninitializedParameter
+
+
 def _compute_copies(
     module: nn.Module, names: tuple[str, ...], dtype: torch.dtype
 ) -> dict[str, Tensor]:
     """The parameters `names` of `module` cast to `dtype` for one forward: differentiable
     copies, so gradients flow back to the stored parameters in their own dtype. A parameter
-    tied under two names gets one copy; one an enclosing region swapped already is left."""
+    tied under two names gets one copy; one an enclosing region swapped already is left, and
+    so is a lazy layer's, not yet materialized (its hook gives it a shape when the layer is
+    called, and the layer's own region casts it then)."""
     copies: dict[int, Tensor] = {}
     out = {}
     for name in names:
         owner, _, key = name.rpartition(".")
         param = (module.get_submodule(owner) if owner else module)._parameters[key]
-        if param.dtype == dtype:
+        if param.dtype == dtype or isinstance(param, _LAZY):
             continue
         copy = copies.get(id(param))
         if copy is None:
@@ -916,22 +947,133 @@ def _strip_regions(model: nn.Module) -> None:
             region = region.original
 
 
-def _convert(plan: list[tuple[nn.Module, str, str, torch.dtype]]) -> None:
+def _convert(plan: list[tuple[nn.Module, str, str, torch.dtype]], paths: dict[int, str]) -> None:
+    """Cast each tensor of `plan` (`dtype_plan`), then warn of finite values the casts made
+    infinities (`_warn_lost`; ``paths``: each module's path, by id)."""
     # under inference_mode the converted tensors would be inference tensors, which can
     # never be trained again: convert as plain tensors whatever the caller's mode
     converted: dict[int, Tensor] = {}  # a buffer shared by two modules stays shared
     casts = CodeCasts()  # codes shared by two layers (a tied embedding and head) stay shared
+    lost: list[tuple[str, torch.dtype, int, float]] = []
     with torch.inference_mode(False):
         for module, kind, key, dtype in plan:
             if kind == "parameter":
                 t = module._parameters[key]
                 if t.dtype == dtype:  # shared with a module converted before
                     continue
-                t.data = t.data.to(dtype)
+                old = t.data
+                t.data = old.to(dtype)
                 if t.grad is not None:
                     t.grad = t.grad.to(dtype)
+                new = t.data
             else:
+                old = module._buffers[key]
+                first = id(old) not in converted
                 cast_buffer(module, key, dtype, casts, converted)
+                new = module._buffers[key]
+                if not first or new is old or isinstance(module, ScaledCodes):
+                    continue  # (once; a quantized layer's scales are its own business)
+            found = _lost_to_infinity(old, new)
+            if found is not None:
+                path = paths.get(id(module), "")
+                lost.append((f"{path}.{key}" if path else key, dtype, *found))
+    _warn_lost(lost, "mixprec.apply stores")
+
+
+def _lost_to_infinity(old: Tensor, new: Tensor) -> tuple[int, float] | None:
+    """(how many, the largest magnitude) of the finite values of ``old`` that its narrowing
+    cast ``new`` holds as infinities (float32 weights past float16's range under 16-true);
+    None where there are none. A reduction only (``aminmax``), unless a value is past the
+    new dtype's range: checks every tensor at `apply` without copies of it."""
+    if (old.dtype, new.dtype) not in _SENTINELS or old.is_meta or old.is_nested:
+        return None
+    if old.layout is not torch.strided:  # (sparse: its stored values)
+        old, new = _sparse_values(old), _sparse_values(new)  # type: ignore[assignment]
+        if old is None or new is None:
+            return None
+    if not old.numel():
+        return None
+    low, high = torch.aminmax(old.detach())
+    limit = torch.finfo(new.dtype).max
+    if -limit <= float(low) and float(high) <= limit:
+        return None
+    gone = new.isinf() & old.isfinite()
+    count = int(gone.sum())
+    return (count, float(old.detach().abs()[gone].max())) if count else None
+
+
+def _warn_lost(lost: list[tuple[str, torch.dtype, int, float]], doing: str) -> None:
+    """One warning per dtype of the finite values casts made infinities (``lost``: path,
+    dtype, how many, the largest magnitude), naming the tensors."""
+    for dtype in dict.fromkeys(d for _, d, _, _ in lost):
+        here = [(path, n, top) for path, d, n, top in lost if d == dtype]
+        count = sum(n for _, n, _ in here)
+        names = [path for path, _, _ in here]
+        warnings.warn(
+            f"{doing} {count} finite value{'s' if count != 1 else ''} of "
+            f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''} as infinities: past "
+            f"{dtype_name(dtype)}'s range ({torch.finfo(dtype).max:g}; the largest of them "
+            f"{max(top for _, _, top in here):g}). What reads them computes inf or NaN, and "
+            "float32 masters made from them, or mixprec.remove, cannot give the values back. "
+            "Keep their layers wider with a rule (PolicyMap(policy, {path: '32-true'})), "
+            "bring the values into range first, or use bfloat16 (float32's range)",
+            UserWarning,
+            stacklevel=caller_level(past_modules=True),
+        )
+
+
+def _load_cast(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    *_: Any,
+) -> None:
+    """A converted module's ``load_state_dict`` pre-hook (`apply` registers it, `remove`
+    takes it off): a floating value loaded into a narrower tensor of the module is cast as
+    `apply` casts: a buffer by `_cast` (a float32 mask's lowest value stays finite, not the
+    -inf a plain copy made), a parameter as it is; finite values made infinities are warned
+    of. Torch's ``assign=True`` takes the checkpoint's tensors as they are."""
+    if local_metadata.get("assign_to_params_buffers"):
+        return
+    lost: list[tuple[str, torch.dtype, int, float]] = []
+    skip = module._non_persistent_buffers_set
+    for buffers, store in ((False, module._parameters), (True, module._buffers)):
+        for key, t in store.items():
+            value = state_dict.get(prefix + key)
+            if (
+                t is None
+                or not isinstance(value, Tensor)
+                or (value.dtype, t.dtype) not in _SENTINELS  # (no narrowing: torch's copy)
+                or value.shape != t.shape
+                or (buffers and key in skip)
+            ):
+                continue
+            value = value.detach()
+            new = state_dict[prefix + key] = _cast(value, t.dtype) if buffers else value.to(t.dtype)
+            found = _lost_to_infinity(value, new)
+            if found is not None:
+                lost.append((prefix + key, t.dtype, *found))
+    _warn_lost(lost, "load_state_dict stores")
+
+
+def _hook_loads(model: nn.Module) -> None:
+    """Register `_load_cast` on each module of ``model`` holding floating tensors, once."""
+    for module in model.modules():
+        hooks = module._load_state_dict_pre_hooks.values()
+        if any(getattr(h, "hook", None) is _load_cast for h in hooks):
+            continue
+        own = (*module._parameters.values(), *module._buffers.values())
+        if any(t is not None and t.is_floating_point() for t in own):
+            module._register_load_state_dict_pre_hook(_load_cast, with_module=True)
+
+
+def _unhook_loads(model: nn.Module) -> None:
+    """Take `_load_cast` off every module of ``model`` (`remove`)."""
+    for module in model.modules():
+        hooks = module._load_state_dict_pre_hooks
+        for key in [k for k, h in hooks.items() if getattr(h, "hook", None) is _load_cast]:
+            del hooks[key]
 
 
 def cast_buffer(
@@ -1083,7 +1225,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
                     install_activations(model, state.policy.activation_choices(model))
             raise
         resolved = _after_swap(model, resolved)
-    _convert(dtype_plan(model, resolved))
+    _convert(dtype_plan(model, resolved), {id(m): n for n, m in model.named_modules()})
+    _hook_loads(model)  # (a checkpoint loaded after apply is cast as apply casts)
     _install_regions(model, resolved)
     if pmap.activations is not None:  # outside the regions
         install_activations(model, pmap.activation_choices(model))
@@ -1558,6 +1701,7 @@ def remove(model: nn.Module) -> nn.Module:
     for module in model.modules():
         _OWNERS.get(module, weakref.WeakSet()).discard(model)
     _strip_regions(model)
+    _unhook_loads(model)
     set_fast_paths(model)
     modules = dict(model.named_modules())
     restored: dict[int, Tensor] = {}  # a buffer shared by two modules stays shared

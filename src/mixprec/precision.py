@@ -18,6 +18,7 @@ the overflow flag, and the step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -79,21 +80,22 @@ class BackwardOutsideAutocast:
     """While entered (outside compiled code), torch.compile traces a compiled model's
     backward outside autocast, as eager runs it: for a forward whose backward runs after it
     (`ForwardAutocast` adds the autocast; a caller whose model's own region runs it, as a
-    converted model's root does, enters this alone). Restored on exit, whatever raised."""
+    converted model's root does, enters this alone). Restored on exit, whatever raised; an
+    object entered again while entered restores each entry's setting on its own exit."""
 
-    __slots__ = ("restore",)
+    __slots__ = ("entered",)
 
     def __init__(self) -> None:
-        self.restore: Callable[[], None] | None = None
+        self.entered: list[Callable[[], None] | None] = []
 
     def __enter__(self) -> None:
-        if not torch.compiler.is_compiling():
-            self.restore = backward_outside_autocast()
+        compiling = torch.compiler.is_compiling()
+        self.entered.append(None if compiling else backward_outside_autocast())
 
     def __exit__(self, *exc: Any) -> None:
-        if self.restore is not None:
-            self.restore()
-            self.restore = None
+        restore = self.entered.pop()
+        if restore is not None:
+            restore()
 
 
 class ForwardAutocast(contextlib.ContextDecorator):
@@ -104,26 +106,36 @@ class ForwardAutocast(contextlib.ContextDecorator):
     traced in this autocast, and a float32 region's backward ran in bfloat16: gradients
     other than eager's. Code compiled whole, context included, traces it inside its graph,
     where nothing surrounds it; the setting is the user's again on exit. Decorates a
-    function as torch.autocast does."""
+    function as torch.autocast does. Entered again while entered (a nested ``with``, a
+    function it decorates calling itself), each entry has its own autocast and setting to
+    restore: a torch.autocast entered twice restored, on its outer exit, the inner's state."""
 
-    __slots__ = ("autocast", "restore")
+    __slots__ = ("autocast", "entered")
 
     def __init__(self, autocast: torch.autocast) -> None:
         self.autocast = autocast
-        self.restore: Callable[[], None] | None = None
+        # (per entry: its autocast and what restores the setting; the first uses `autocast`)
+        self.entered: list[tuple[torch.autocast, Callable[[], None] | None]] = []
 
     def __enter__(self) -> Any:
-        if not torch.compiler.is_compiling():
-            self.restore = backward_outside_autocast()
-        return self.autocast.__enter__()
+        autocast = copy.copy(self.autocast) if self.entered else self.autocast
+        restore = None if torch.compiler.is_compiling() else backward_outside_autocast()
+        self.entered.append((autocast, restore))
+        try:
+            return autocast.__enter__()
+        except BaseException:
+            self.entered.pop()
+            if restore is not None:
+                restore()
+            raise
 
     def __exit__(self, *exc: Any) -> Any:
+        autocast, restore = self.entered.pop()
         try:
-            return self.autocast.__exit__(*exc)
+            return autocast.__exit__(*exc)
         finally:
-            if self.restore is not None:
-                self.restore()
-                self.restore = None
+            if restore is not None:
+                restore()
 
 
 class ForwardDefaultDtype(contextlib.ContextDecorator):
@@ -343,16 +355,21 @@ class Precision:
         """Build a model directly in its storage dtype: parameters created inside this
         context get the policy's param dtype (``bfloat16`` under ``"bf16-true"``, float32
         under mixed policies) instead of being created in float32 and cast at ``setup``.
-        Under a map whose rules store some layers wider than its default (a float32 head in a
-        ``"bf16-true"`` model), the widest of its param dtypes: which layer a parameter is for
-        is not known while it is built, and one built narrower, then cast up at ``setup``,
-        kept its rounding for good (a buffer computed at init too). The default dtype is
-        restored on exit, also when construction raises."""
-        dtypes = [p.param_dtype for p in self.policy.policies() if p.param_dtype.is_floating_point]
-        widest = max(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
-        default = self.policy.default.param_dtype
-        chosen = default if torch.finfo(default).bits >= torch.finfo(widest).bits else widest
+        Nothing built is known to be for which layer, or to be a parameter or a buffer, so
+        where the map stores tensors in several dtypes (a float32 head in a ``"bf16-true"``
+        model; buffers in the compute dtype under ``"p=bf16,c=f32"``) it builds in one that
+        holds them all (`torch.promote_types`), no wider than a build outside it would be
+        (float32 for ``"p=f32,c=f64"``'s buffers): a tensor built narrower, then cast up at
+        ``setup``, kept its rounding for good (a buffer computed at init, positions off by
+        2), while one built wider is narrowed at ``setup`` as one built outside is. The
+        default dtype is restored on exit, also when construction raises."""
         previous = torch.get_default_dtype()
+        policies = list(self.policy.policies())
+        params = _promoted([p.param_dtype for p in policies]) or torch.float32
+        both = _promoted([params] + [p.buffer_dtype for p in policies]) or params
+        outside = torch.promote_types(params, previous)
+        within = torch.finfo(both).bits <= torch.finfo(outside).bits
+        chosen = both if within else outside
         torch.set_default_dtype(chosen)
         try:
             yield
@@ -811,6 +828,16 @@ class Precision:
             opt.unscale_()
         master_of = {p: m for opt in self.optimizers for p, m in opt.master_params.items()}
         return [master_of.get(t, t) for t in tensors]
+
+
+def _promoted(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
+    """The dtype `torch.promote_types` gives the floating ``dtypes`` (None: there are none):
+    one holding each of them exactly (float32 for bfloat16 and float16)."""
+    out = None
+    for dtype in dtypes:
+        if dtype.is_floating_point:
+            out = dtype if out is None else torch.promote_types(out, dtype)
+    return out
 
 
 def _warn_replaced(
