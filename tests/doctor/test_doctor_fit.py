@@ -173,3 +173,27 @@ def test_doctor_fit_writes_its_report_when_no_plan_fits(tmp_path, capsys, monkey
     assert f"no plan fits: the smallest measured is {over - 4 * 2**30} bytes" in written
     assert not (out_dir / "policy.json").exists()
     assert "no policy.json written" in " ".join(capsys.readouterr().out.split())
+
+
+def test_doctor_fit_exits_3_with_the_traceback_on_the_models_own_error(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """Found by a review: under --fit every RuntimeError was taken for the measuring
+    process's failure: a shape bug in the factory's model exited 2, printed as a bad
+    argument without its traceback, where --search exits 3 with it. Only the measuring
+    process's own failure exits 2 now. The plans' peaks are stood in for here."""
+    from mixprec.cli import doctor as cli_doctor
+
+    factory = tmp_path / "lm.py"
+    factory.write_text(FACTORY.replace("nn.Linear(16, 16)", "nn.Linear(15, 16)"))  # (the head)
+    monkeypatch.setattr(cli_doctor, "_fresh_measure", lambda args: lambda plans: [])
+    assert main(["doctor", f"{factory}:make", "--fit", "4GiB", *FLAGS, "--no-report"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "shapes cannot be multiplied" in err
+    # the process measuring the plans failing is said as before, exit 2
+    factory.write_text(FACTORY)
+    monkeypatch.undo()
+    monkeypatch.setattr(forkserver, "run_fresh", lambda *a, **k: (1, "out of memory here"))
+    assert main(["doctor", f"{factory}:make", "--fit", "4GiB", *FLAGS, "--no-report"]) == 2
+    err = capsys.readouterr().err
+    assert "exited with code 1: out of memory here" in err and "Traceback" not in err

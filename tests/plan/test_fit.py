@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -20,13 +21,20 @@ from torch import nn
 
 from mixprec.activations import saved_bytes
 from mixprec.plan import Budget, BudgetError, search
-from mixprec.plan.activation_choice import batch_at, plan_activations, saved_under, split_saved
+from mixprec.plan.activation_choice import (
+    _grads,
+    batch_at,
+    plan_activations,
+    saved_under,
+    split_saved,
+)
 from mixprec.plan.budget import parse_bytes
 from mixprec.plan.fitting import FitReport, Peak, Tried, _against_uniform, fit, step_peaks
 from mixprec.plan.measure import convert
 from mixprec.plan.report import BlockRow, Option
 from mixprec.plan.units import state_bytes
 from mixprec.policy.map import PolicyMap
+from mixprec.precision import Precision
 
 INT8 = "int8_from_32-true"
 FORMATS = ["32-true", INT8]
@@ -617,3 +625,104 @@ def test_a_search_counting_activations_leaves_the_callers_generators_as_they_wer
         **FAST,
     )
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_a_budget_as_a_fraction_retries_a_plan_over_it_as_a_budget_in_bytes_does() -> None:
+    """Found by a review: under ``batch_size``, a solved plan whose own count passed a
+    fraction budget (``memory=0.9``: a layer moved to float32 saves float32 activations)
+    was never solved again, as under a limit in bytes: every int8 weight frozen was
+    returned at a tenth of the bytes, 132 of 1796 elements trainable. The fraction's limit
+    in bytes now takes the same retry, and the plan returned fits and trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+        nn.Linear(32, 4),
+    )  # fmt: skip
+    batch = (torch.randn(16, 16), torch.randint(0, 4, (16,)))
+    kw = dict(
+        baseline="bf16-mixed",
+        formats=["32-true", "bf16-true", "int8_from_bf16-mixed"],
+        count="training",
+        batch_size=64,
+        reps=1,
+        allow_slow=True,
+    )
+    report = search(model, [batch], F.cross_entropy, budget="memory=0.9", **kw)
+    plan = report.measured["plan"]
+    assert report.uniform_won is None and len(report.attempts) > 1
+    assert "solved again" in report.attempts[0].note
+    assert plan.unit_bytes + plan.activation_bytes <= report.limits["memory"]
+    assert plan.trainable == report.measured["baseline"].trainable
+
+
+class FlatLM(nn.Module):
+    """A language model whose logits come flat, a row per token: ``[N * T, vocab]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mlp, self.out = nn.Embedding(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.mlp(self.emb(ids)))).flatten(0, 1)
+
+
+def test_batch_size_resizes_flat_per_token_targets_and_names_what_it_left() -> None:
+    """Found by a review: ``batch_size`` repeated only the tensors leading with the first
+    tensor's rows: a batch ``(ids [N, T], targets [N * T])`` failed in the loss with
+    "Expected input batch_size (128) to match target batch_size (32)", naming neither
+    batch_size nor the tensors resized. A tensor leading with a whole multiple of the rows
+    that another tensor's per-row positions make (``T`` tokens per row) is resized per row
+    now; where the loss still fails, the error says what was resized and what was left."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (4, 8))
+    targets = torch.randint(0, 16, (32,))
+    big = batch_at((ids, targets), 6)
+    rows = [0, 1, 2, 3, 0, 1]
+    assert torch.equal(big[0], ids[rows])
+    assert torch.equal(big[1], targets.reshape(4, 8)[rows].reshape(48))
+    kw = dict(budget="memory=0.5", count="training", batch_size=16, **FAST)
+    report = search(FlatLM(), [(ids, targets)], F.cross_entropy, **kw)
+    assert report.batch_size == 16 and report.blocks
+    # targets [8, 4]: 8 rows, no whole number of positions per row of ids: left as they are
+
+    def flat_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets.flatten())
+
+    with pytest.raises(ValueError, match=r"batch_size=16 .*batch\[0\].*batch\[1\] \(8, 4\)") as err:
+        search(FlatLM(), [(ids, targets.reshape(8, 4))], flat_loss, **kw)
+    assert "Expected input batch_size" in str(err.value.__cause__)
+
+
+class Spectral(nn.Module):
+    """A complex filter on the input's spectrum: a complex parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(9, dtype=torch.complex64) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(x, dim=-1) * (1 + self.w)
+        return torch.fft.irfft(spectrum, n=x.shape[-1], dim=-1)
+
+
+def test_lossy_storage_damage_counts_a_complex_gradients_imaginary_part() -> None:
+    """Found by a review: the gradients lossy activation storage is scored by were read with
+    ``.double()``, which drops a complex gradient's imaginary part (with torch's "discards
+    the imaginary part" warning): half of a complex parameter's gradient error went unseen.
+    They are read over real and imaginary parts (``torch.view_as_real``), as AdamW steps
+    them and the state error measures them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Spectral(), nn.Tanh(), nn.Linear(16, 4))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no complex value cast to a real one)
+        flat = _grads(model, Precision("32-true"), batch, F.cross_entropy)
+    F.cross_entropy(model(batch[0]), batch[1]).backward()
+    expected = [
+        (torch.view_as_real(p.grad) if p.is_complex() else p.grad).reshape(-1).double()
+        for p in model.parameters()
+    ]
+    assert torch.equal(flat, torch.cat(expected))
+    assert flat.numel() == sum(
+        2 * p.numel() if p.is_complex() else p.numel() for p in model.parameters()
+    )

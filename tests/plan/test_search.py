@@ -1296,3 +1296,48 @@ def test_blocks_sharing_a_module_take_no_activation_option_but_keep():
     assert report.activations["blocks.0"] == report.activations["blocks.1"] == "keep"
     row = next(r for r in report.blocks if r.path == "blocks.0")
     assert "also reachable at blocks.1.shared" in row.not_applicable["checkpoint"]
+
+
+class Teacher(nn.Module):
+    """A student and a frozen teacher branch the forward runs with gradients off (`grad`:
+    the context it runs under; `deep`: a second layer inside it)."""
+
+    def __init__(self, grad: object, deep: bool = False) -> None:
+        super().__init__()
+        self.grad, self.deep = grad, deep
+        self.enc, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.teacher = nn.Linear(16, 4)
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.grad():
+            t = self.teacher(x)
+            if self.deep:
+                t = self.inner(torch.tanh(t))
+        if not self.deep:
+            t = self.inner(t)
+        return self.head(F.gelu(self.enc(x))) + 0.1 * t
+
+
+def test_a_layer_run_without_gradients_is_scored_by_the_gradient_reaching_its_output() -> None:
+    """Found by a review: a searched layer the forward runs under ``torch.no_grad()`` (a
+    frozen teacher branch) crashed the search ("cannot register a hook on a tensor that
+    doesn't require gradient"). Its output's copy now requires grad, so where the loss
+    reaches it (the ops after it run with gradients) its damage is the one it takes run
+    with gradients on; where none can (the ops after it run without too), the search is
+    refused naming it, not scored as harmless."""
+    torch.manual_seed(0)
+    batch = (torch.randn(16, 16), torch.randint(0, 4, (16,)))
+    kw = dict(budget="memory=0.5", baseline="32-true", formats=[INT8], reps=1, retries=0)
+    weights, damages = Teacher(torch.enable_grad).state_dict(), []
+    for grad in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        model = Teacher(grad)
+        model.load_state_dict(weights)
+        report = search(model, [batch], F.cross_entropy, **kw)
+        damages.append(
+            {(r.unit.paths, n): o.damage for r in report.rows for n, o in r.options.items()}
+        )
+    assert damages[1] == damages[2] == damages[0]
+    assert damages[0][(("teacher",), "int8_from_float32")] > 0
+    with pytest.raises(ValueError, match=r"teacher ran with gradients off .* no gradient"):
+        search(Teacher(torch.no_grad, deep=True), [batch], F.cross_entropy, **kw)

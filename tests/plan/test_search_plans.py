@@ -206,3 +206,34 @@ def test_a_solved_plan_missing_the_tolerance_gives_way_to_any_lower_frozen_loss(
     v.best = Attempt(chosen=["bf16-true"], loss=1.03, gap=0.03, predicted=0.0)
     keep(s, rows, v, {"memory": 80.0}, {"verify": 0.0})
     assert v.winner == "all int8_from_32-true"
+
+
+def test_a_solved_plan_over_the_byte_limit_gives_way_to_a_frozen_one_only_by_the_tolerance():
+    """Found by a review: a solved plan measured over the byte limit gave way to the fitting
+    measured plan of lowest loss whatever it trained: all int8 (frozen weights) was returned
+    over all bf16-true, which fits and trains every weight, on a loss 0.5% lower (noise).
+    Counting training, the fallback now holds a plan training fewer parameters than another
+    that fits to the same rule: lower by more than the tolerance."""
+    unit = Unit(paths=("0",), kinds=("Linear",), params=10)
+    formats = {"32-true": Option(100), "bf16-true": Option(60), "int8_from_32-true": Option(30)}
+    rows = [UnitRow(unit=unit, options=formats)]
+    s = SimpleNamespace(base=as_policy("32-true"), names=list(formats), tolerance=0.01)
+
+    def winner(int8_loss: float, count: str = "training") -> str | None:
+        names = ("plan", "baseline", "all int8_from_32-true", "all bf16-true")
+        v = Verified(plans={n: PolicyMap("32-true") for n in names})
+        v.measured = {
+            "plan": Measured(0.9, 90, 90, 1.0, trainable=10),  # (over the limit)
+            "baseline": Measured(1.0, 100, 100, 1.0, trainable=10),  # (over the limit)
+            "all int8_from_32-true": Measured(int8_loss, 30, 30, 1.0, trainable=5),
+            "all bf16-true": Measured(1.0, 60, 60, 1.0, trainable=10),
+        }
+        v.best = Attempt(chosen=["32-true"], loss=0.9, gap=-0.1, predicted=0.0)
+        s.count = count
+        keep(s, rows, v, {"memory": 80.0}, {"verify": 0.0})
+        assert "over the byte limit" in v.best.note
+        return v.winner
+
+    assert winner(0.995) == "all bf16-true"  # within the tolerance: noise
+    assert winner(0.98) == "all int8_from_32-true"
+    assert winner(0.995, count="weights") == "all int8_from_32-true"

@@ -23,7 +23,8 @@ model each call), steps down to the next cheaper plan while the measured peak is
 writes the policy file of the plan that fits with the least loss, and fit.md (every plan
 measured; written when none fits too). Exit status 0 when one fits, 1 when none does (the
 message and fit.md say how many bytes the smallest plan is over), 2 for bad arguments (a
-size it cannot read).
+size it cannot read) or the measuring process failing (its output's tail said), 3 for an
+error of the model's own, with its traceback.
 """
 
 from __future__ import annotations
@@ -242,6 +243,11 @@ def fit_child(argv: list[str]) -> None:
     Path(path).write_text(json.dumps([[p.bytes, p.loss] for p in peaks]))
 
 
+class MeasureError(RuntimeError):
+    """The fresh process measuring `--fit`'s plans failed (its exit code and output's tail):
+    exit 2, where an error of the model's own exits 3 with its traceback."""
+
+
 def _fresh_measure(args: argparse.Namespace) -> Any:
     """Measures each plan in a fresh process of its own (`fit_child`, forked from
     `mixprec.bench.forkserver`, else a new interpreter): nothing a plan measured before it
@@ -267,7 +273,7 @@ def _fresh_measure(args: argparse.Namespace) -> Any:
             )
             if code != 0 or not out.exists():
                 tail = output.strip()[-1500:]
-                raise RuntimeError(
+                raise MeasureError(
                     f"the process measuring the plans exited with code {code}: {tail}"
                 )
             return [Peak(bytes=int(b), loss=float(x)) for b, x in json.loads(out.read_text())]
@@ -292,8 +298,8 @@ def _fit(args: argparse.Namespace) -> int:
         model, batches, loss_fn, _, _ = inputs
         return fit(model, batches, loss_fn, budget=budget, measure=_fresh_measure(args), **options)
 
-    # RuntimeError: the process measuring the plans failed, and says why
-    done = _planned(args, "--fit", FIT_FILES, run, refused=(RuntimeError,))
+    # the process measuring the plans failed, and says why (not the model's own error)
+    done = _planned(args, "--fit", FIT_FILES, run, refused=(MeasureError,))
     if isinstance(done, int):
         return done
     report, out = done

@@ -103,7 +103,9 @@ def find_blocks(model: nn.Module) -> list[str]:
 
 def batch_at(batch: Any, size: int) -> Any:
     """`batch` with `size` rows: every tensor whose first dimension is the batch's (the first
-    tensor's) takes rows ``0, 1, ..., n-1, 0, 1, ...`` of it; other values stay."""
+    tensor's, ``n``) takes rows ``0, 1, ..., n-1, 0, 1, ...`` of it, and so, per row, does one
+    whose first dimension is ``n`` times the positions a row of such a tensor holds (flat
+    per-token targets ``[n * T]`` beside ids ``[n, T]``); other values stay (`batch_left`)."""
     leading = batch_rows(batch)
     if leading is None:
         raise ValueError(
@@ -111,10 +113,15 @@ def batch_at(batch: Any, size: int) -> Any:
             f"{type(batch).__name__}"
         )
     index = torch.arange(size) % leading
+    per_row = _per_row(batch, leading)
 
     def resized(value: Any) -> Any:
         if isinstance(value, Tensor) and value.dim() and value.shape[0] == leading:
             return value[index.to(value.device)]
+        if isinstance(value, Tensor) and value.dim() and value.shape[0] in per_row:
+            k, rest = value.shape[0] // leading, value.shape[1:]
+            rows = value.reshape(leading, k, *rest)[index.to(value.device)]
+            return rows.reshape(size * k, *rest)
         if isinstance(value, Mapping):
             return type(value)({k: resized(v) for k, v in value.items()})
         if isinstance(value, (tuple, list)):
@@ -122,6 +129,46 @@ def batch_at(batch: Any, size: int) -> Any:
         return value
 
     return resized(batch)
+
+
+def _tensors(value: Any, where: str = "batch") -> list[tuple[str, Tensor]]:
+    """Every tensor of a batch, each with where it is (``batch[1]``, ``batch['labels']``)."""
+    if isinstance(value, Tensor):
+        return [(where, value)]
+    if isinstance(value, Mapping):
+        return [t for k, v in value.items() for t in _tensors(v, f"{where}[{k!r}]")]
+    if isinstance(value, (tuple, list)):
+        return [t for i, v in enumerate(value) for t in _tensors(v, f"{where}[{i}]")]
+    return []
+
+
+def _per_row(batch: Any, leading: int) -> set[int]:
+    """The first dimensions a tensor flattening the rows' positions has: ``leading`` times
+    the positions of a row (``T``, ``T * H``, ...) of a tensor leading with the rows."""
+    sizes = set()
+    for _, t in _tensors(batch):
+        if t.dim() > 1 and t.shape[0] == leading:
+            for d in range(2, t.dim() + 1):
+                sizes.add(leading * t.shape[1:d].numel())
+    return {n for n in sizes if n > leading}
+
+
+def batch_left(batch: Any, size: int) -> str | None:
+    """Why a step at `size` rows (`batch_at`) may fail in the loss: which of `batch`'s
+    tensors were resized and which were left as they are; None when none was left."""
+    leading = batch_rows(batch)
+    per_row = _per_row(batch, leading) if leading is not None else set()
+    found = _tensors(batch)
+    took = [w for w, t in found if t.dim() and (t.shape[0] == leading or t.shape[0] in per_row)]
+    left = [f"{w} {tuple(t.shape)}" for w, t in found if t.dim() and w not in took]
+    if not left:
+        return None
+    return (
+        f"batch_size={size} resized the tensors leading with the batch's {leading} rows or "
+        f"with a whole number of positions per row ({', '.join(took)}) and left "
+        f"{', '.join(left)} as they are; give a batch whose tensors all lead with the batch "
+        "dimension (or flatten per-row positions, [rows * T], beside a tensor [rows, T])"
+    )
 
 
 def batch_rows(value: Any) -> int | None:
@@ -174,7 +221,13 @@ def block_rows(s: SearchInputs, reference: nn.Module) -> tuple[list[BlockRow], i
                 row.not_applicable[option] = reason
         row.not_applicable.update(NOT_SEARCHED)
     big = batch_at(batches[0], s.batch_size)
-    kept = _saved(model, base, {}, big, loss_fn, device, seed)
+    try:  # (the first step at the batch: a tensor left at its rows fails here)
+        kept = _saved(model, base, {}, big, loss_fn, device, seed)
+    except Exception as error:
+        left = batch_left(batches[0], s.batch_size)
+        if left is None:
+            raise
+        raise ValueError(f"{left}. The step at that batch raised: {error}") from error
     whole = sum(kept.values())
     outside = sum(n for p, n in kept.items() if not any(_under(p, b) for b in blocks))
     for r in rows:
@@ -330,14 +383,16 @@ def split_saved(saved: Mapping[str, int], blocks: Sequence[str]) -> tuple[int, i
 
 
 def _grads(model: nn.Module, precision: Precision, batch: Any, loss_fn: Any) -> Tensor:
-    """The gradients of every trainable parameter, flat, float64."""
+    """The gradients of every trainable parameter, flat, float64; a complex one over its
+    real and imaginary parts (``.double()`` would drop the imaginary part)."""
     loss = batch_loss(precision, model, fresh(batch), loss_fn)
     backward(precision, loss)
-    flat = [
-        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).double()
+    grads = (
+        p.grad if p.grad is not None else torch.zeros_like(p)
         for p in model.parameters()
         if p.requires_grad
-    ]
+    )
+    flat = [(torch.view_as_real(g) if g.is_complex() else g).reshape(-1).double() for g in grads]
     model.zero_grad(set_to_none=True)
     return torch.cat(flat)
 

@@ -119,7 +119,11 @@ def record(
 
     A layer whose output needs no gradient (frozen, on inputs that need none) has its output
     replaced by a copy of a leaf that does, so the loss's gradient reaches it and its damage
-    is scored (a copy, not the leaf: the model may change it in place, ``ReLU(inplace=True)``)."""
+    is scored (a copy, not the leaf: the model may change it in place, ``ReLU(inplace=True)``).
+    So does one the forward runs with gradients off (``torch.no_grad()``, inference mode: a
+    frozen teacher), its copy made with them on: the ops after it that run with gradients
+    carry the loss's gradient to it. When none reaches such a layer (the ops after it run
+    without too), its damage cannot be scored: `ValueError` naming it, not a damage of 0."""
     modules = dict(model.named_modules())
     calls = {path: Calls() for path in paths}
     owners: dict[int, set[str]] = {}
@@ -128,6 +132,7 @@ def record(
             owners.setdefault(id(p), set()).add(path)
     readers = _Readers(owners)
     handles = []
+    off: dict[str, int] = {}  # path -> its first call run with gradients off
 
     def hook_for(path: str) -> Callable[..., Any]:
         def enter(module: nn.Module, args: tuple) -> None:
@@ -140,19 +145,23 @@ def record(
                     f"{path} returned {type(output).__name__}: the search scores layers "
                     "that return one floating tensor"
                 )
-            if not output.requires_grad:
-                output = output.detach().requires_grad_().clone()
             c = calls[path]
             i = len(c.outputs)
-            c.args.append(tuple(_kept(a) for a in args))
-            c.kwargs.append({k: _kept(v) for k, v in kwargs.items()})
-            c.outputs.append(_kept(output))
-            c.grads.append(None)
+            if not torch.is_grad_enabled():
+                off.setdefault(path, i)
+            # (an inference tensor, too, copied into one autograd can record)
+            with torch.inference_mode(False), torch.enable_grad():
+                if not output.requires_grad:
+                    output = output.detach().clone().requires_grad_().clone()
+                c.args.append(tuple(_kept(a) for a in args))
+                c.kwargs.append({k: _kept(v) for k, v in kwargs.items()})
+                c.outputs.append(_kept(output))
+                c.grads.append(None)
 
-            def keep(grad: Tensor) -> None:
-                c.grads[i] = grad.detach()
+                def keep(grad: Tensor) -> None:
+                    c.grads[i] = grad.detach()
 
-            output.register_hook(keep)
+                output.register_hook(keep)
             return output
 
         return enter, hook
@@ -177,6 +186,15 @@ def record(
             raise ValueError(
                 f"{path} was not called in the model's forward: a search scores the layers a "
                 "step runs"
+            )
+    for path, first in off.items():
+        if any(g is None for g in calls[path].grads[first:]):
+            raise ValueError(
+                f"{path} ran with gradients off (under torch.no_grad() or inference mode in "
+                "the model's forward) and no gradient of the loss reached its output: the ops "
+                "after it ran without gradients too, so the search cannot score what a format "
+                "does to it. Run the ops between it and the loss with gradients on (only the "
+                "frozen layers under no_grad), or give the model its output in the batch"
             )
     return float(loss.detach()), calls, readers.outside
 

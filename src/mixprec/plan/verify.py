@@ -86,9 +86,8 @@ def verify(
     blocks = blocks or []
     limits = list(limits_of(s.budget, base_costs, fixed).values())
     kinds = list(limits_of(s.budget, base_costs, fixed))
-    memory_at = (
-        kinds.index("memory") if "memory" in kinds and s.budget.memory_bytes is not None else None
-    )
+    # a fraction's limit is in bytes too (of the baseline's searched part): retried alike
+    memory_at = kinds.index("memory") if "memory" in kinds else None
     v = Verified(plans=uniform_plans(s, rows, states))
     tried: dict[tuple[str, ...], int] = {}  # plan -> its attempt
     best: tuple[Attempt, Measured, PolicyMap, tuple[str, ...], int] | None = None
@@ -176,8 +175,8 @@ def _learn_miss(
 
 
 def _bytes_over(measured: Measured, limits: list[float], memory_at: int | None) -> int:
-    """How many bytes the measured plan's count passes the byte limit by (0: within it, or
-    no limit in bytes)."""
+    """How many bytes the measured plan's count passes the byte limit by (a fraction's
+    resolved to bytes; 0: within it, or no memory budget)."""
     if memory_at is None:
         return 0
     spent = measured.unit_bytes + measured.activation_bytes + measured.extra_bytes
@@ -236,8 +235,9 @@ def keep(
     lower loss (`v.winner`, measured again beside the baseline when it was not timed; under
     ``count="training"`` one with fewer trainable elements, int8/int4 weights frozen, lower
     by more than the tolerance), or with any loss when the solved plan's measured bytes
-    exceed the limit (none fitting: the solved plan, its attempt noting it); each row's
-    chosen format and measured damages written in."""
+    exceed the limit (none fitting: the solved plan, its attempt noting it; the same margin
+    held between the plans that fit); each row's chosen format and measured damages
+    written in."""
     assert v.best is not None
     chosen = tuple(v.best.chosen)
     bytes_only = {k: limit for k, limit in limits.items() if k == "memory"}
@@ -247,7 +247,8 @@ def keep(
     # solved plan that meets it (one that misses it gives way to any lower loss)
     plan, base = v.measured["plan"].loss, v.measured["baseline"].loss
     meets = (plan - base) / max(abs(base), 1e-12) <= s.tolerance
-    margin = s.tolerance if s.count == "training" and meets else 0.0
+    # (a solved plan over the limit is no rival: the margin holds between those that fit)
+    margin = s.tolerance if s.count == "training" and (meets or over) else 0.0
     won = _uniform_winner(
         v.measured, rows, s.base.name, s.names, limits, any_loss=over, margin=margin
     )
@@ -449,26 +450,35 @@ def _uniform_winner(
     when it is one of the formats) that fits the budget with the lowest loss, if that loss
     is below the solved plan's (with `any_loss`, whatever it is): the damages the solver
     adds up are predictions, the losses measured. A plan with fewer trainable elements
-    than the solved one must be below it by more than `margin` (a fraction of its loss).
-    Returned with the format of each layer."""
-    plan = verified["plan"]
-    winner, lowest = None, math.inf if any_loss else ranked(plan.loss)
+    than the plan it displaces (the solved one, or one that fits) must be below it by more
+    than `margin` (a fraction of its loss). Returned with the format of each layer."""
+    fitting = []
     for name, measured in verified.items():
         formats = formats_of(name, rows, baseline, names) if name != "plan" else None
-        if formats is None or within(costs_of(measured, rows, formats), limits) is not True:
-            continue
-        bar = lowest
-        frozen = (
-            measured.trainable is not None
-            and plan.trainable is not None
-            and measured.trainable < plan.trainable
-        )
-        # (a solved plan of non-finite loss sets no margin: any finite loss is below it)
-        if not any_loss and frozen and math.isfinite(plan.loss):
-            bar = min(bar, plan.loss - margin * abs(plan.loss))
-        if ranked(measured.loss) < bar:
-            winner, lowest = (name, formats), ranked(measured.loss)
+        if formats is not None and within(costs_of(measured, rows, formats), limits) is True:
+            fitting.append((name, measured, formats))
+    # those training more first, so a plan training fewer meets the margin against them
+    fitting.sort(key=lambda f: -(f[1].trainable or 0))
+    winner, held = None, None if any_loss else verified["plan"]
+    for name, measured, formats in fitting:
+        if held is None or _beats(measured, held, margin):
+            winner, held = (name, formats), measured
     return winner
+
+
+def _beats(measured: Measured, held: Measured, margin: float) -> bool:
+    """Whether `measured` displaces `held`: a lower loss, lower by more than `margin` (a
+    fraction of `held`'s) when it trains fewer elements."""
+    bar = ranked(held.loss)
+    frozen = (
+        measured.trainable is not None
+        and held.trainable is not None
+        and measured.trainable < held.trainable
+    )
+    # (a loss that is not finite sets no margin: any finite loss is below it)
+    if frozen and math.isfinite(held.loss):
+        bar = min(bar, held.loss - margin * abs(held.loss))
+    return ranked(measured.loss) < bar
 
 
 def _too_small(
