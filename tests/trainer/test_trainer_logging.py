@@ -12,13 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec.trainer import (
@@ -33,6 +34,7 @@ from mixprec.trainer import (
     Trainer,
     TrainingModule,
 )
+from mixprec.trainer.metrics import MetricStore
 
 
 def data(n: int = 64) -> TensorDataset:
@@ -1163,3 +1165,201 @@ def test_a_value_logged_with_batch_size_zero_weighs_nothing_in_the_epoch_mean():
     assert math.isnan(out[0]["tok_loss"])
     with pytest.raises(ValueError, match=r"batch_size=-1.*0 or more"):
         trainer.validate(PerToken([8, -1, 8], [2.0, 0.0, 4.0]), val)
+
+
+class CountsAsTensors(TrainingModule):
+    """Logs two values per validation batch with one tensor batch_size (as ``log_dict``
+    passes it), the batch's count of valid tokens, 1, 2, 3, 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.counts: list[Tensor] = []
+
+    def validation_step(self, batch, batch_idx):
+        count = torch.tensor(batch_idx + 1)
+        self.counts.append(count)
+        value = torch.tensor(float(batch_idx))
+        self.log_dict({"val_a": value, "val_b": value}, batch_size=count)
+
+
+def test_a_tensor_batch_size_is_never_written_into():
+    """Found by a review: a tensor ``batch_size`` was kept as the running weight itself and
+    summed into in place: the caller's tensor changed, and every name logged with it (all
+    of a ``log_dict``'s) shared that one weight, which grew once per name: the means of
+    0, 1, 2, 3 over 1, 2, 3, 4 tokens were logged as 1.0526, not 2.0."""
+    model = CountsAsTensors()
+    trainer = Trainer(logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    val = DataLoader(TensorDataset(torch.zeros(16, 4)), batch_size=4)
+    assert trainer.validate(model, val) == [{"val_a": 2.0, "val_b": 2.0}]
+    assert [c.item() for c in model.counts] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"batch_size=.*one-element real tensor"):
+        MetricStore().log("x", 1.0, on_epoch=True, batch_size=torch.tensor([2, 2]))
+
+
+class LogsNumpy(TrainingModule):
+    def __init__(self, value) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.value = value
+
+    def validation_step(self, batch, batch_idx):
+        import numpy as np  # (the test skips without it)
+
+        self.log_dict(
+            {
+                "f32": np.float32(0.5 + batch_idx),
+                "i64": np.int64(3 + batch_idx),
+                "array": np.array([[0.25 * batch_idx]]),
+            }
+        )
+        if self.value is not None:
+            self.log("odd", self.value)
+
+
+@pytest.mark.parametrize(
+    "complex_value", [None, 1 + 2j, torch.tensor(1 + 2j), torch.tensor([1j]), "numpy"]
+)
+def test_numpy_numbers_are_logged_and_complex_ones_refused(complex_value):
+    """Found by a review: ``self.log`` refused numpy's float32 and int64 scalars
+    (``ValueError``: needs a number), and logged a complex tensor's real part, with torch's
+    mere warning. Numpy scalars and one-element arrays are numbers; a complex value (a
+    python complex, a complex tensor, a numpy complex) is refused, saying what is taken."""
+    np = pytest.importorskip("numpy")
+    if isinstance(complex_value, str):
+        complex_value = np.complex64(1 + 2j)
+    trainer = Trainer(logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    val = DataLoader(TensorDataset(torch.zeros(8, 4)), batch_size=4)  # batches 0, 1
+    if complex_value is None:
+        out = trainer.validate(LogsNumpy(None), val)
+        assert out == [{"f32": 1.0, "i64": 3.5, "array": 0.125}]
+        return
+    with pytest.raises(ValueError, match=r"self.log\('odd'.*needs a real number.*complex"):
+        trainer.validate(LogsNumpy(complex_value), val)
+
+
+def test_run_estimate_says_it_again_at_each_fit():
+    """Found by a review: `RunEstimate` reset its batch times at each fit but not the line
+    it had said, so a Trainer's second fit (a longer one) got no estimate."""
+    said: list[str] = []
+    trainer = Trainer(
+        max_epochs=1,
+        callbacks=[RunEstimate(log=said.append)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    x = torch.zeros(64, 4)
+    model = nn.Linear(4, 1)
+    trainer.fit(
+        model, DataLoader(TensorDataset(x[:32], x[:32, :1]), batch_size=4), loss_fn=F.mse_loss
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, x[:, :1]), batch_size=4), loss_fn=F.mse_loss)
+    assert len(said) == 2
+    assert "; 5 batches to go: about " in said[0] and "; 13 batches to go: about " in said[1]
+
+
+def test_a_filename_field_not_logged_yet_is_filled_with_nan(tmp_path):
+    """Found by a review: ``filename="{epoch}-{step}-{val_loss:.3f}"`` with
+    ``every_n_train_steps=2`` and validation at epoch ends only raised ``ValueError`` at the
+    first save (``val_loss`` not logged yet): the fit died at step 2. A field whose metric
+    is not logged yet is filled with NaN (``nan`` where its format takes no float), with one
+    warning naming it, and the save happens."""
+    saves = ModelCheckpoint(
+        tmp_path,
+        filename="{epoch}-{step}-{val_loss:.3f}-{later:03d}",
+        every_n_train_steps=2,
+        save_top_k=-1,
+    )
+    trainer = Trainer(
+        max_epochs=2,
+        callbacks=[saves],
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    train = DataLoader(data(32), batch_size=8)  # 4 steps an epoch, validation at its end
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(Model(), train, DataLoader(data(16), batch_size=8))
+    said = [str(w.message) for w in caught if "not logged yet" in str(w.message)]
+    assert len(said) == 2 and "'val_loss'" in said[0] and "'later'" in said[1]
+    names = sorted(p.name for p in tmp_path.glob("*.ckpt"))
+    assert len(names) == 4 and names[0] == "0-2-nan-nan.ckpt"
+    # the step-4 save comes after the epoch's validation: val_loss is logged from then on
+    assert [n[:4] for n in names[1:]] == ["0-4-", "1-6-", "1-8-"]
+    assert all(n.endswith("-nan.ckpt") and "-nan-" not in n for n in names[1:])
+
+
+class Scripted(TrainingModule):
+    """Validation logs ``vl`` = 1, 5, 3, 4, ... by epoch: epoch 0's is the best."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self.net(batch[0]), batch[0][:, :1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("vl", [1.0, 5.0, 3.0, 4.0, 6.0, 7.0][self.trainer.current_epoch])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_checkpoint_directory_spelled_otherwise_resumes_its_state(tmp_path, monkeypatch):
+    """Found by a review: ModelCheckpoint's state key held ``dirpath`` as spelled, so a
+    fit resumed with "ck/" or the absolute path for "ck" skipped the saved state without a
+    word: the best checkpoint (epoch 0) was forgotten, a worse one became "best" and the
+    files were no longer tracked. The key holds the resolved directory; keys written
+    before (as spelled) still load; a state no callback takes is warned of; a directory
+    moved (another working directory) keeps the best checkpoint, as in Lightning."""
+    from mixprec.trainer.callbacks import load_callback_states
+
+    monkeypatch.chdir(tmp_path)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    train, val = DataLoader(TensorDataset(x), batch_size=4), DataLoader(TensorDataset(x[:4]))
+
+    def fit(epochs: int, dirpath, ckpt_path=None) -> ModelCheckpoint:
+        ckpt = ModelCheckpoint(dirpath, monitor="vl", save_top_k=1, save_last=True)
+        Trainer(max_epochs=epochs, callbacks=[ckpt], logger=False, enable_progress_bar=False).fit(
+            Scripted(), train, val, ckpt_path=ckpt_path
+        )
+        return ckpt
+
+    first = fit(2, "ck")
+    for epochs, spelled in [(3, "ck/"), (4, tmp_path / "ck"), (5, "./ck")]:
+        ckpt = fit(epochs, spelled, "ck/last.ckpt")
+        assert (ckpt.best_model_path, ckpt.best_model_score) == ("ck/epoch=0-step=2.ckpt", 1.0)
+        assert sorted(p.name for p in Path("ck").glob("*")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+        assert ckpt.state_key == first.state_key
+    # a key as written before (the directory as spelled) is taken by the same directory
+    state = first.state_dict()
+    again = ModelCheckpoint("ck/", monitor="vl")
+    load_callback_states([again], {"ModelCheckpoint[monitor=vl,dirpath=./ck]": state})
+    assert again.best_model_path == "ck/epoch=0-step=2.ckpt"
+    # a state no callback takes is said: here two of another directory (which is
+    # elsewhere's is not known), and one of a callback the run has not
+    states = {
+        first.state_key: state,
+        "ModelCheckpoint[monitor=vl,dirpath=/x]": state,
+        "ModelCheckpoint[monitor=vl,dirpath=/y]": state,
+        "EarlyStopping[monitor=vl]": {"best_score": 1.0},
+    }
+    elsewhere = ModelCheckpoint("other", monitor="vl")
+    with pytest.warns(
+        UserWarning, match=r"no callback of this run takes: EarlyStopping.*/x.*/y\];"
+    ):
+        load_callback_states([ModelCheckpoint("ck", monitor="vl"), elsewhere], states)
+    assert elsewhere.best_model_path == ""
+    # the only one of its monitor, in another directory (a relative one from another working
+    # directory): it takes the state, keeps the best checkpoint and leaves the files alone
+    monkeypatch.chdir(tmp_path / "ck")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moved = fit(5, "ck", tmp_path / "ck" / "last.ckpt")  # (nothing left to train)
+    assert not [w for w in caught if "no callback of this run takes" in str(w.message)]
+    assert moved.state_key != first.state_key
+    assert (moved.best_model_path, moved.best_model_score) == ("ck/epoch=0-step=2.ckpt", 1.0)
+    assert sorted(p.name for p in Path().glob("*")) == ["epoch=0-step=2.ckpt", "last.ckpt"]

@@ -35,8 +35,10 @@ import itertools
 import logging
 import math
 import os
+import re
 import shutil
 import statistics
+import string
 import sys
 import time
 import warnings
@@ -255,9 +257,11 @@ class ModelCheckpoint(Callback):
     ``KeyboardInterrupt`` comes (a second Ctrl-C interrupts at once).
 
     Args:
-        dirpath: directory for the files (default: ``<run dir>/checkpoints``).
+        dirpath: directory for the files (default: ``<run dir>/checkpoints``); with
+            ``monitor``, resolved, it keys the state a checkpoint keeps (`state_key`).
         filename: a ``str.format`` template over ``epoch``, ``step`` and logged metrics,
-            e.g. ``"{epoch}-{val_loss:.3f}"`` (default ``"epoch={epoch}-step={step}"``).
+            e.g. ``"{epoch}-{val_loss:.3f}"`` (default ``"epoch={epoch}-step={step}"``); a
+            metric not logged yet is ``nan`` there (warned once a fit).
         monitor: metric deciding which checkpoints are best; None keeps the latest ones.
         mode: ``"min"`` or ``"max"``: whether a lower or a higher ``monitor`` is better.
         save_top_k: how many checkpoints to keep (-1: all, 0: none but ``last.ckpt``).
@@ -288,8 +292,10 @@ class ModelCheckpoint(Callback):
             raise ValueError(_LAST_NAME_TAKEN.format(filename=filename))
         self.dirpath = Path(dirpath) if dirpath is not None else None
         # from the arguments, not from the run directory chosen later: the key must be the
-        # same when a resumed run restores the state (before on_fit_start)
-        self._key = f"ModelCheckpoint[monitor={monitor},dirpath={dirpath}]"
+        # same when a resumed run restores the state (before on_fit_start); the directory
+        # resolved, so that "ck", "ck/" and its absolute path are one key
+        self._resolved = self.dirpath.resolve() if self.dirpath is not None else None
+        self._key = _KEY.format(monitor=monitor, dirpath=self._resolved)
         self.filename = filename or "epoch={epoch}-step={step}"
         self.monitor = monitor
         self.mode = mode
@@ -309,16 +315,32 @@ class ModelCheckpoint(Callback):
         self._restored_validation: int | None = None  # that step, as a loaded state gave it
         self._loaded = False  # a state was loaded for the fit about to start (a resume)
         self._warned = False  # about a monitor not logged yet
+        self._unfilled: set[str] = set()  # filename fields warned as not logged yet
 
     @property
     def state_key(self) -> str:
         return self._key
 
+    def _own_key(self, keys: list[str]) -> str | None:
+        """Which of a checkpoint's state ``keys`` is this callback's: its own, or one of the
+        same monitor whose directory resolves to this one's here (a key written before keys
+        were resolved: "ck/", or "ck" where this one is absolute)."""
+        if self._key in keys:
+            return self._key
+        for key in keys:
+            parts = _key_parts(key)
+            if parts is None or parts[0] != f"{self.monitor}":
+                continue
+            if _resolves_to(parts[1], self._resolved):
+                return key
+        return None
+
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
         if self.dirpath is None or self._default_dir:  # (a new fit's run directory is new)
             self.dirpath = trainer.run_dir / "checkpoints"
             self._default_dir = True
-        if self._restored_from is not None and self._restored_from != self.dirpath:
+        restored = self._restored_from
+        if restored is not None and restored.resolve() != self.dirpath.resolve():
             # the files a resumed run recorded belong to that run: never rank or delete them
             log.info(
                 "ModelCheckpoint: resumed from a run that saved into %s; this run saves into "
@@ -338,6 +360,7 @@ class ModelCheckpoint(Callback):
         self._restored_from = None
         self._step_saved = trainer.global_step  # a resumed state needs no new save
         self._validated = self._warned = False
+        self._unfilled = set()
         self._validated_at = self._restored_validation if self._loaded else None
         self._restored_validation, self._loaded = None, False
 
@@ -386,11 +409,27 @@ class ModelCheckpoint(Callback):
 
     def _path_for(self, trainer: Trainer) -> Path:
         directory = self._directory()
-        fields = {k.replace("/", "_"): v for k, v in trainer.callback_metrics.items()}
+        fields: dict[str, Any] = {
+            k.replace("/", "_"): v for k, v in trainer.callback_metrics.items()
+        }
         fields.update(epoch=trainer.current_epoch, step=trainer.global_step)
+        # a metric not logged yet (val_loss at a step save before the first validation) is
+        # NaN, warned once a fit: a save that dies on its name would end the fit there
+        for field in _template_fields(self.filename):
+            if field in fields:
+                continue
+            fields[field] = _Unlogged()
+            if field not in self._unfilled and trainer.is_global_zero:
+                warnings.warn(
+                    f"ModelCheckpoint filename {self.filename!r}: {field!r} is not logged yet "
+                    f"(logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}); "
+                    "filled with nan until it is",
+                    stacklevel=2,
+                )
+            self._unfilled.add(field)
         try:
             name = self.filename.format(**fields)
-        except (KeyError, ValueError) as err:
+        except (KeyError, IndexError, ValueError) as err:
             raise ValueError(
                 f"ModelCheckpoint filename {self.filename!r} cannot be filled: {err}; "
                 f"available fields: {', '.join(sorted(fields))}"
@@ -532,7 +571,8 @@ class ModelCheckpoint(Callback):
         saved = {entry: _saved_at(entry) for entry in newer}
         for entry, found in saved.items():
             if found is not None and found[0] <= step:
-                state = found[1].get(self.state_key)
+                key = self._own_key(list(found[1]))
+                state = found[1][key] if key is not None else None
                 names = [*state["saved"], *state["best_k_models"]] if state else []
                 if entry.resolve() in {Path(name).resolve() for name in names}:
                     self.load_state_dict(state)  # (the latest such save's, last)
@@ -584,7 +624,8 @@ class ModelCheckpoint(Callback):
             "best_model_score": self.best_model_score,
             "last_model_path": self.last_model_path,
             "saved": list(self._saved),
-            "dirpath": str(self.dirpath) if self.dirpath is not None else None,
+            # resolved: a fit resumed in another working directory tells it from its own
+            "dirpath": str(self.dirpath.resolve()) if self.dirpath is not None else None,
             "validated_at": self._validated_at,
         }
 
@@ -612,7 +653,7 @@ def _duration(seconds: float) -> str:
 
 
 class RunEstimate(Callback):
-    """Says once, a few batches into a fit, how long its training will take: the median time
+    """Says once a fit, a few batches in, how long its training will take: the median time
     of `batches` training batches after the first (which pays for warm-up and compilation),
     times the batches left to ``max_steps`` / ``max_epochs``. Validation and checkpoints are
     not counted. Rank 0 writes the line to stderr, or hands it to `log`.
@@ -631,7 +672,8 @@ class RunEstimate(Callback):
         self._start = 0
 
     def on_train_start(self, trainer: Trainer, model: nn.Module) -> None:
-        self._times = []
+        # each fit gets its own estimate (a Trainer's next fit may be a longer one)
+        self._times, self.message = [], None
         self._start = trainer.global_step * trainer.accumulate_grad_batches  # a resumed fit
 
     def on_train_batch_end(
@@ -794,6 +836,51 @@ def _saved_at(path: Path) -> tuple[int, dict[str, Any]] | None:
         return None
 
 
+def _template_fields(template: str) -> list[str]:
+    """The names of the keyword fields of a ``str.format`` template, in order
+    (``"{val_loss:.3f}"``: ``val_loss``); one that does not parse has none (formatting it
+    says why)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError:
+        return []
+    names = [re.split(r"[.\[]", field, maxsplit=1)[0] for _, field, _, _ in parsed if field]
+    return [name for name in dict.fromkeys(names) if name and not name.isdigit()]
+
+
+class _Unlogged(float):
+    """A filename field whose metric is not logged yet: NaN, formatted with the field's
+    spec where that takes a float (``nan``, `` nan``), else plain ``nan`` (``{x:d}``)."""
+
+    def __new__(cls) -> _Unlogged:
+        return super().__new__(cls, math.nan)
+
+    def __format__(self, spec: str) -> str:
+        try:
+            return float.__format__(self, spec)
+        except ValueError:
+            return "nan"
+
+
+_KEY = "ModelCheckpoint[monitor={monitor},dirpath={dirpath}]"
+
+
+def _key_parts(key: str) -> tuple[str, str] | None:
+    """The monitor and the directory in a ModelCheckpoint's state key (None: another's)."""
+    head = _KEY[: _KEY.index("{")]
+    if not (key.startswith(head) and key.endswith("]")):
+        return None
+    monitor, sep, dirpath = key[len(head) : -1].partition(",dirpath=")
+    return (monitor, dirpath) if sep else None
+
+
+def _resolves_to(dirpath: str, resolved: Path | None) -> bool:
+    """Whether a key's ``dirpath`` is ``resolved`` (None: the run's default directory)."""
+    if dirpath == "None" or resolved is None:
+        return dirpath == "None" and resolved is None
+    return Path(dirpath).resolve() == resolved
+
+
 _LAST_NAME_TAKEN = (
     "ModelCheckpoint(filename={filename!r}, save_last=True) names its top-k checkpoints "
     "last.ckpt, the name of the save_last copy: each save would replace the other, and "
@@ -854,18 +941,57 @@ def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
 def load_callback_states(
     callbacks: list[Callback], states: dict[str, Any], *, resume: bool = True
 ) -> None:
-    """Give each of ``callbacks`` its state from what `callback_states` returned.
-    ``resume=False``: the states a fit in launched processes ended with, handed back to the
-    callbacks the caller holds to be read (``best_model_path``...), not resumed from: the
-    Trainer's next fit starts them afresh, as after a fit in this process."""
-    for cb in callbacks:
-        if keeps_state(cb) and state_key(cb) in states:
-            cb.load_state_dict(states[state_key(cb)])
-            if resume:
-                continue
-            if isinstance(cb, ModelCheckpoint):
-                if cb.dirpath is None or cb._default_dir:  # (the run's: a next fit, its own)
-                    cb.dirpath, cb._default_dir = cb._restored_from, True
-                cb._restored_from = None
-            if isinstance(cb, (ModelCheckpoint, EarlyStopping)):
-                cb._loaded, cb._restored_validation = False, None
+    """Give each of ``callbacks`` its state from what `callback_states` returned (a
+    `ModelCheckpoint` also one under a key spelled otherwise: `_state_owners`); a state no
+    callback takes is warned of (on a resume). ``resume=False``: the states a fit in
+    launched processes ended with, handed back to the callbacks the caller holds to be
+    read (``best_model_path``...), not resumed from: the Trainer's next fit starts them
+    afresh, as after a fit in this process."""
+    owners = _state_owners(callbacks, states)
+    for cb, key in owners:
+        cb.load_state_dict(states[key])
+        if resume:
+            continue
+        if isinstance(cb, ModelCheckpoint):
+            if cb.dirpath is None or cb._default_dir:  # (the run's: a next fit, its own)
+                cb.dirpath, cb._default_dir = cb._restored_from, True
+            cb._restored_from = None
+        if isinstance(cb, (ModelCheckpoint, EarlyStopping)):
+            cb._loaded, cb._restored_validation = False, None
+    left = sorted(set(states) - {key for _, key in owners})
+    # (skipped without a word, a resumed ModelCheckpoint would forget its files; said once,
+    # by rank 0)
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if left and resume and rank == 0:
+        warnings.warn(
+            f"the checkpoint holds callback states that no callback of this run takes: "
+            f"{', '.join(left)}; they are left out (callbacks: "
+            f"{', '.join(state_key(cb) for cb in callbacks if keeps_state(cb)) or 'none'})",
+            stacklevel=3,
+        )
+
+
+def _state_owners(callbacks: list[Callback], states: dict[str, Any]) -> list[tuple[Any, str]]:
+    """Which of ``callbacks`` takes which key of ``states``: each its own key. A
+    `ModelCheckpoint` without one takes a key of its monitor whose directory resolves to
+    its own ("ck/" for "ck": `ModelCheckpoint._own_key`), else the only one of its monitor
+    where it is the only one of that monitor left: its directory moved (a relative one from
+    another working directory, the run moved); as in Lightning, whose keys hold no
+    directory, it goes on with the best checkpoint, and leaves the files there alone."""
+    owners = [(cb, state_key(cb)) for cb in callbacks if keeps_state(cb)]
+    taken = [(cb, key) for cb, key in owners if key in states]
+    waiting = [cb for cb, key in owners if key not in states and isinstance(cb, ModelCheckpoint)]
+    for cb in list(waiting):
+        key = cb._own_key(sorted(set(states) - {k for _, k in taken}))
+        if key is not None:
+            taken.append((cb, key))
+            waiting.remove(cb)
+    used = {k for _, k in taken}
+    free = {k: parts for k in states if k not in used and (parts := _key_parts(k))}
+    for cb in waiting:
+        mine = [k for k, (monitor, _) in free.items() if monitor == f"{cb.monitor}"]
+        rivals = [c for c in waiting if c.monitor == cb.monitor]
+        if len(mine) == 1 and rivals == [cb]:
+            taken.append((cb, mine[0]))
+    return taken

@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 import resource
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,24 +30,53 @@ __all__: list[str] = []
 _Sums = dict[str, list[Any]]  # name -> [sum tensor, weight]
 
 
+_ACCEPTED = "a real number (an int, a float, a numpy scalar) or a one-element real tensor or array"
+
+
 def _scalar(name: str, value: Tensor | float) -> Tensor:
+    numpy = sys.modules.get("numpy")  # (only one imported can have made an array)
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        if value.size != 1:
+            raise ValueError(
+                f"self.log({name!r}, ...) needs a single number, got an array of shape "
+                f"{value.shape}; reduce it first (e.g. .mean())"
+            )
+        value = value.item()  # (a python number: judged as one below)
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(
                 f"self.log({name!r}, ...) needs a single number, got a tensor of shape "
                 f"{tuple(value.shape)}; reduce it first (e.g. .mean())"
             )
+        if value.is_complex():  # (its cast would keep the real part, with a mere warning)
+            raise ValueError(
+                f"self.log({name!r}, ...) needs {_ACCEPTED}, got a {value.dtype} tensor; "
+                "log its .real, .imag or .abs()"
+            )
         # sums are kept in float64 (float32 on MPS, which has no float64): a bfloat16 loss
         # summed in its own dtype drifts, each batch's loss rounded to the ever wider
         # bfloat16 steps of the growing sum
         wide = torch.float32 if value.device.type == "mps" else torch.float64
         return value.detach().reshape(()).to(wide)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # (numpy's float and int scalars are numbers.Real; its bools, like bool, are refused)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        hint = "; log its .real, .imag or abs()" if isinstance(value, numbers.Complex) else ""
         raise ValueError(
-            f"self.log({name!r}, ...) needs a number or a one-element tensor, "
-            f"got {type(value).__name__}"
+            f"self.log({name!r}, ...) needs {_ACCEPTED}, got {type(value).__name__}{hint}"
         )
     return torch.tensor(float(value), dtype=torch.float64)
+
+
+def _weight(name: str, batch_size: Tensor) -> Tensor:
+    """A tensor ``batch_size`` as a weight, widened as the sums are (a count summed in
+    bfloat16 drifts)."""
+    if batch_size.numel() != 1 or batch_size.is_complex():
+        raise ValueError(
+            f"self.log({name!r}, ..., batch_size=...) needs a count: an int or a one-element "
+            f"real tensor, got a {batch_size.dtype} tensor of shape {tuple(batch_size.shape)}"
+        )
+    wide = torch.float32 if batch_size.device.type == "mps" else torch.float64
+    return batch_size.detach().reshape(()).to(wide)
 
 
 class MetricStore:
@@ -103,7 +133,7 @@ class MetricStore:
         on_step: bool | None = None,
         on_epoch: bool | None = None,
         sync_dist: bool = False,
-        batch_size: int | None = None,
+        batch_size: int | Tensor | None = None,
     ) -> None:
         """Record ``value``; see `TrainingModule.log` for the meaning of the options."""
         if self._refusing is not None:
@@ -146,7 +176,9 @@ class MetricStore:
         if on_epoch:
             # an explicit 0 weighs nothing (a batch without valid tokens); inferred only
             # where none is given, as in Lightning
-            if batch_size is not None:
+            if isinstance(batch_size, Tensor):
+                weight = _weight(name, batch_size)
+            elif batch_size is not None:
                 weight = batch_size
             elif self._hook is None and self.batch_size is not None:
                 weight = self.batch_size
@@ -157,13 +189,15 @@ class MetricStore:
             self.prog_bar.update({step_name, epoch_name} if both else {name})
 
     @staticmethod
-    def _add(store: _Sums, name: str, value: Tensor, weight: float) -> None:
+    def _add(store: _Sums, name: str, value: Tensor, weight: float | Tensor) -> None:
+        # sums are new tensors, never written into: a value or a batch_size tensor the
+        # caller logged stays theirs, and names logged with the same one sum on their own
         slot = store.get(name)
         if slot is None:
-            store[name] = [value.clone(), weight]
+            store[name] = [value.clone(), weight.clone() if isinstance(weight, Tensor) else weight]
         else:
             slot[0] = slot[0] + value.to(slot[0].device)
-            slot[1] += weight
+            slot[1] = slot[1] + weight
 
     def take_step(self, mean: Callable[[Tensor], Tensor], keep: bool = False) -> dict[str, Tensor]:
         """Means of the values logged (in training, or in evaluation) since the last call

@@ -153,13 +153,15 @@ class TrainingModule(nn.Module):
         on_step: bool | None = None,
         on_epoch: bool | None = None,
         sync_dist: bool = False,
-        batch_size: int | None = None,
+        batch_size: int | Tensor | None = None,
     ) -> None:
         """Record a metric for the loggers, the progress bar (``prog_bar``) and callbacks.
 
+        ``value``: a real number (a Python or numpy number, a one-element tensor or array).
         Defaults as in Lightning: in ``training_step`` a value is logged per step; in
         validation/test steps its mean over the epoch is logged once, weighted by
-        ``batch_size`` (by default the batch's: the leading size of its first tensor).
+        ``batch_size`` (by default the batch's: the leading size of its first tensor; a
+        count of tokens as a one-element tensor too, never written into).
         With both ``on_step`` and ``on_epoch`` the names get ``_step`` and ``_epoch``
         suffixes. Epoch means are averaged over processes under ddp; ``sync_dist`` also
         averages per-step values (a collective on every step).
