@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from devices import AVX2_CPU, ZEN4
+from devices import AMX_CPU, AVX2_CPU, ZEN4
 
 from mixprec import hardware
 from mixprec.bench.report import busy_machine_warning, conclusion, markdown, summarize
@@ -673,6 +673,58 @@ def test_a_described_cpu_gets_no_matmul_rates_measured_on_the_host(monkeypatch):
     assert not any("matmul rates" in line for line in lines)
 
 
+def test_a_described_device_is_said_as_described_and_the_step_times_as_the_hosts():
+    """Found by a review: under `assume(...)` (an AMX Xeon described on an AVX2 host) report.md
+    named the described CPU as the machine that timed ("device: cpu (Intel ...; amx_bf16,
+    ...)"), nothing said it was described, and the sentence closed "On this machine
+    bf16-mixed runs ... at 0.03x ...: train in float32 here", the host's step times charged
+    to it; the reproduce line lacked --allow-slow, so on the host it was refused."""
+    from mixprec.bench import suite
+
+    options = BenchOptions(
+        model="mlp", precisions=["32-true", "bf16-mixed"], batch_sizes=[2], threads=1, steps=6
+    )
+    with hardware.assume(AMX_CPU):
+        p = plan(replace(options, device="cpu"))
+        meta = suite.metadata(p)
+    described = (
+        "cpu (Intel Xeon (Sapphire Rapids); amx_bf16, amx_int8, avx512_bf16, avx512_fp16, "
+        "avx512_vnni, avx512bw; 1 thread)"
+    )
+    assert meta["described_device"] == described
+    host = meta["device"]
+    assert host.startswith("cpu (") and "Sapphire Rapids" not in host, host
+    # (the ratings are the description's: what was run, and why)
+    assert meta["support"]["bf16-mixed"] == "fast" and meta["auto_precision"] == "bf16-mixed"
+    assert p.command.endswith("--allow-slow"), p.command  # (the host may rate it slow)
+
+    def ok(ms: list[float]) -> RunResult:
+        return RunResult(OK, LoopResult(step_ms=ms, peak_memory=100), paired=True)
+
+    rows = [
+        Row(Config("32-true", "32-true", 2, None, False), ok([100.0] * 6)),
+        Row(Config("bf16-mixed", "bf16-mixed", 2, None, True), ok([3000.0] * 6)),
+    ]
+    report = BenchReport({**_report([]).metadata, **meta, "memory_method": "m"}, rows)
+    md = markdown(report, summarize(report))
+    assert f"- device: {host}, the host that took every step time\n" in md, md
+    assert (
+        f"- described device: {described} (mixprec.device.assume): support and auto_precision "
+        "are rated for it, not for the host; the step times are the host's, not its\n"
+    ) in md, md
+    sentence = conclusion(report, summarize(report))
+    assert "at 0.033x the speed of float32" in sentence and "train in float32" not in sentence
+    assert sentence.endswith(
+        "The device was described (mixprec.device.assume): these are this host's step times, "
+        "which say nothing of the described device's speed; time it there before choosing."
+    ), sentence
+    plain = BenchReport({**report.metadata, "described_device": None}, rows)
+    assert "train in float32 here" in conclusion(plain, summarize(plain))
+    assert (
+        "--allow-slow" not in plan(replace(options, device="cpu", precisions=["32-true"])).command
+    )
+
+
 def test_doubted_matmul_rates_are_not_printed():
     """float32 0.3 GFLOP/s and "bfloat16 3.5 (10.9x float32)" were printed beside the
     doubts, where only the time estimate was dropped."""
@@ -1098,6 +1150,29 @@ def test_a_memory_limit_given_as_a_float_is_whole_bytes_or_refused():
     assert "--memory-limit 1536MiB" in p.command
     with pytest.raises(ValueError, match="--memory-limit must be a whole number of bytes"):
         plan(replace(options, memory_limit=1000.5))
+
+
+def test_a_memory_limit_is_shown_as_typed_or_in_the_unit_that_divides_it():
+    """Found by a review: ``--memory-limit 2GB`` was shown as "1953125KiB" in the reproduce
+    line and the notes (binary units were tried before decimal ones), where docs/bench.md says
+    they give the limit as typed. A limit given as text is shown as typed; a number of bytes,
+    in the unit that divides it with the fewest digits."""
+    from mixprec.bench.report import notes
+    from mixprec.bench.suite import metadata, size_text
+
+    for typed in ("2GB", "128MB", "256MB", "500MB", "64MiB", "2GiB", "1000KiB", "1536MiB"):
+        assert size_text(parse_size(typed)) == typed
+    assert size_text(1500) == "1500" and size_text(1_000_000_000_000) == "1TB"
+    options = BenchOptions(model="mlp", batch_sizes=[2], precisions=["32-true"], threads=1, steps=1)
+    p = plan(replace(options, memory_limit="1.5GiB"))
+    assert p.options.memory_limit == 1610612736 and type(p.options.memory_limit) is int
+    assert p.command.endswith("--memory-limit 1.5GiB"), p.command
+    meta = dict(metadata(p), memory_method="m", memory_limit_text="1.5GiB")
+    assert metadata(p)["memory_limit_text"] == "1.5GiB"
+    said = notes(BenchReport(meta, []), [])
+    assert "memory limit: 1.5GiB per loop (OOM above it)" in said, said
+    with pytest.raises(ValueError, match="--memory-limit: not a size: '5 parsecs'"):
+        plan(replace(options, memory_limit="5 parsecs"))
 
 
 def test_auto_asked_for_is_said_as_asked_and_what_it_resolved_to():

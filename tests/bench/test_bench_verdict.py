@@ -991,3 +991,68 @@ def test_a_tiny_effect_is_not_rounded_to_one():
         assert "1.00-" not in sentence and "-1.00x" not in sentence, sentence
     report, summaries = _with_interval(4.419, 4.58, 4.8051)
     assert _speedup_cell(summaries[1]) == "4.58x (4.41-4.81)"  # (outward: was "4.42-4.81")
+
+
+def test_threads_outnumbering_the_cores_are_not_called_other_work():
+    """Found by a review: --threads 4 on 2 idle cores was warned of as "other work was using
+    the CPUs (other work kept 0.0 of 2 cores busy ...)", and the sentence blamed other work
+    and dropped its advice: `cores_shared` took any load above 2 - 4 + 0.5 for other work.
+    The run's own threads outnumbering the cores are said so; the advice follows the ratio,
+    with the caveat."""
+    from mixprec.bench.report import busy_machine_warning
+
+    over = busy_machine_warning([0.0] * 3, 4, "cpu", cores=2, paired=True, busy_cores=0.0)
+    assert over == (
+        "WARNING: this run's 4 threads outnumber the 2 cores (other work kept 0.0 of them busy "
+        "as the run began): its threads wait for each other at each parallel op, so single "
+        "steps are slowed at random; the speedup is taken from paired rounds with its "
+        "interval, and withheld if still too noisy; for tighter figures, rerun with "
+        "--threads 2 or fewer"
+    ), over
+    both = busy_machine_warning([0.0] * 3, 4, "cpu", cores=2, paired=True, busy_cores=1.0)
+    assert both.startswith(
+        "WARNING: other work was using the CPUs (other work kept 1.0 of 2 cores busy as the run "
+        "began, 4 thread(s) timing), and this run's 4 threads outnumber the 2 cores: single "
+        "steps are slowed at random;"
+    ), both
+    assert busy_machine_warning([0.0] * 3, 2, "cpu", cores=2, busy_cores=0.0) is None
+    report, summaries = _with_interval(0.48, 0.50, 0.52)
+    report.metadata.update(threads=4, cores=2, busy_cores_before=0.0, other_busy_cores=0.0)
+    sentence = conclusion(report, summaries)
+    assert "other work" not in sentence, sentence
+    assert sentence.endswith(
+        "while here it is slower than float32: train in float32 unless memory is what you "
+        "need. Measured with 4 threads on 2 cores: the run's threads outnumber the cores, so "
+        "they wait for each other at every op, which may cost the shorter low-precision step "
+        "more, so this ratio can be lower than 2 threads or fewer give; --threads 1 measures "
+        "what bf16-mixed itself buys."
+    ), sentence
+    report.metadata.update(other_busy_cores=1.0)  # (other work too: no advice, as before)
+    sentence = conclusion(report, summaries)
+    assert "train in float32" not in sentence, sentence
+    assert (
+        "Measured with 4 threads on cores other work was using (other work kept 1.0 of 2 cores "
+        "busy through the run), more threads than the 2 cores: threads then wait"
+    ) in sentence, sentence
+
+
+def test_a_large_slowdown_is_printed_with_its_significant_digits():
+    """Found by a review: bfloat16 emulated 250x slower than float32 printed "0.00x
+    (0.00-0.01)" in the table and "at 0.00x the speed of float32" in the sentence (two
+    decimals at most four, for ratios near 1). A ratio far below 1 keeps two significant
+    digits, as `mixprec info` prints it, and its interval is still rounded outward."""
+    from mixprec.bench.report import _speedup_cell, ratio_places
+
+    times = {"32-true": [100.0] * 10, "bf16-mixed": [100.0 * (240 + 3 * i) for i in range(10)]}
+    report = _report(times, threads=1)
+    summaries = summarize(report)
+    assert _speedup_cell(summaries[1]) == "0.0039x (0.0037-0.0042)"
+    sentence = conclusion(report, summaries)
+    assert sentence.startswith(
+        "On this machine bf16-mixed runs the cnn model at 0.0039x the speed of float32, 253x "
+        "slower, with 40% less peak memory (batch 16; 95% intervals within 0.0037-0.0042x from "
+        "10 paired rounds)"
+    ), sentence
+    assert ratio_places(0.5) == 2 and ratio_places(0.05) == 3 and ratio_places(0.004) == 4
+    assert ratio_places(0.03, 0.004, 0.06) == 3  # (its low end shows a digit: 0.004)
+    assert ratio_places(0.03, 0.0004, 0.06) == 4  # (not 0.000)

@@ -29,6 +29,7 @@ from mixprec.bench.suite import (
     cores_shared,
     quantized,
     size_text,
+    threads_over_cores,
 )
 from mixprec.bench.verdict import (
     CONFIDENCE,
@@ -269,8 +270,10 @@ def _is_baseline(s: Summary) -> bool:
 def ratio_places(value: float, low: float | None = None, high: float | None = None) -> int:
     """Decimals (2 to 4) that keep a ratio off "1.00" when it is not 1, and an interval
     wholly on one side of 1 from reaching it once rounded outward (`_outward`): a slowdown
-    under half a percent read "1.00x (1.00-1.00)"."""
-    places = 2
+    under half a percent read "1.00x (1.00-1.00)"; and, far below 1, as many as show two
+    significant digits of the ratio, one of its interval's low end (emulated bfloat16 read
+    "0.00x (0.00-0.01)"; `mixprec info` prints "0.0081x")."""
+    places = max(2, _significant(value, 2), _significant(low, 1))
     while places < 4:
         near = value != 1 and f"{value:.{places}f}" == f"{1:.{places}f}"
         if low is not None and high is not None:
@@ -280,6 +283,13 @@ def ratio_places(value: float, low: float | None = None, high: float | None = No
             break
         places += 1
     return places
+
+
+def _significant(value: float | None, digits: int) -> int:
+    """The decimals that show `digits` significant digits of `value` (0 for none given)."""
+    if not value or value <= 0 or math.isinf(value):
+        return 0
+    return digits - 1 - math.floor(math.log10(value))
 
 
 def _ratio_cell(value: float, low: float | None, high: float | None, rounds: int | None,
@@ -538,11 +548,14 @@ def busy_machine_warning(
     each configuration in a process of its own, one after another, where `rerun` says how
     to get paired rounds (`rerun_for_verdict`); None: not known, both said). `busy_cores`,
     other work's cores sampled as the run began (`timing.busy_cores`, which chose the
-    threads), decides and is said where given; else the 1-minute `load`."""
+    threads), decides and is said where given; else the 1-minute `load`. The run's own
+    threads outnumbering the cores are said as such, not as other work."""
     measured = busy_cores if busy_cores is not None else (load[0] if load else None)
-    if measured is None or not _is_busy(measured, threads, device_type, cores):
-        return None
     cores = cores or os.cpu_count() or 1
+    busy = measured is not None and _is_busy(measured, threads, device_type, cores)
+    over = threads_over_cores(threads, cores, device_type)
+    if not busy and not over:
+        return None
     if busy_cores is not None:
         what = f"other work kept {busy_cores:.1f} of {cores} cores busy as the run began"
     else:
@@ -564,14 +577,26 @@ def busy_machine_warning(
             "speedup is the ratio of their medians, which a neighbour's load between them "
             "moves: no interval and no verdict"
         )
+    # (its own threads alone, no other work to blame: fewer threads, not a quieter machine)
+    advice = _rerun_advice(threads) if busy else f"rerun with --threads {cores} or fewer"
     then = (
         f"for a verdict, {rerun or 'time them side by side in paired rounds in one process'}"
         if paired is False
-        else f"for tighter figures, {_rerun_advice(threads)}"
+        else f"for tighter figures, {advice}"
     )
+    outnumber = f"this run's {threads} threads outnumber the {cores} cores"
+    if not busy:
+        idle = "" if measured is None else f" (1-minute load {measured})"
+        if busy_cores is not None:
+            idle = f" (other work kept {busy_cores:.1f} of them busy as the run began)"
+        return (
+            f"WARNING: {outnumber}{idle}: its threads wait for each other at each parallel op, "
+            f"so single steps are slowed at random; {how}; {then}"
+        )
     return (
-        f"WARNING: other work was using the CPUs ({what}, {threads} thread(s) timing): single "
-        f"steps are slowed at random; {how}; {then}"
+        f"WARNING: other work was using the CPUs ({what}, {threads} thread(s) timing)"
+        + (f", and {outnumber}" if over else "")
+        + f": single steps are slowed at random; {how}; {then}"
     )
 
 
@@ -662,7 +687,7 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
                 f"gradient overflow while the loss scale settled{raw}"
             )
     if meta.get("memory_limit"):
-        limit = size_text(meta["memory_limit"])
+        limit = meta.get("memory_limit_text") or size_text(meta["memory_limit"])
         unit = " bytes" if limit.isdigit() else ""
         out.append(f"memory limit: {limit}{unit} per loop (OOM above it)")
     if meta.get("compile"):
@@ -1110,7 +1135,19 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     with its interval, and peak memory, over the batch sizes both ran at), and how that
     compares with the seed experiment's V100 (`BLOG_V100_MS`); or, when the intervals are
     too wide or too few rounds ran (`verdict.speed_verdict`), no speed finding but why not,
-    and the memory finding, which the load does not touch."""
+    and the memory finding, which the load does not touch. Under `assume` (a described
+    device) the step times are the host's: no advice is drawn from them, and it says so."""
+    sentence = _conclusion(report, summaries)
+    if report.metadata.get("described_device"):
+        sentence += (
+            " The device was described (mixprec.device.assume): these are this host's step "
+            "times, which say nothing of the described device's speed; time it there before "
+            "choosing."
+        )
+    return sentence
+
+
+def _conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     meta = report.metadata
     blog = [fp32 / mixed for mixed, fp32 in BLOG_V100_MS.values()]
     seed = f"the seed experiment got {_span(blog, '{:.1f}')}x from mixed precision on its V100 GPU"
@@ -1136,9 +1173,11 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
                 f"mixed precision ran {beside}to compare{also}; {seed}."
             )
         if gap:
+            described = bool(meta.get("described_device"))  # (it rated them, `assume`)
+            where = "the described device" if described else "this machine"
             return (
-                "No mixed precision is fast on this machine, so float32 is the one to train "
-                f"in here (as said above); {seed}."
+                f"No mixed precision is fast on {where}, so float32 is the one to train "
+                f"in {'there' if described else 'here'} (as said above); {seed}."
             )
         return f"{_nothing_compared(summaries)}; {seed}."
     fast = [n for n in MIXED_CANDIDATES if meta["support"].get(n) == "fast"]
@@ -1182,14 +1221,17 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         buys = f"trains the {meta['model']} model {_span(speed, digits)}x as fast as {base}"
     else:
         buys = f"runs the {meta['model']} model at {_span(speed, digits)}x the speed of {base}"
+        if min(speed) < 0.1:  # (as `mixprec info`: "0.0081x (124x slower)")
+            buys += f", {_span([1 / x for x in speed], '{:,.0f}')}x slower,"
     if memory:
         buys += f" with {memory}"
+    buys = buys.removesuffix(",")  # (", 250x slower," closes before the parenthesis)
     batches = _batches(sorted(s.batch_size for s in rows), meta.get("batch_sizes") or [])
     low = min(i.low for i in verdict.intervals)
     high = max(i.high for i in verdict.intervals)
     rounds = _span([float(i.n) for i in verdict.intervals], "{:.0f}")
     # (rounded outward: an interval reaching 1.07 read '1.1-...', tighter than it is)
-    places = 1 if digits == "{:.1f}" else int(digits[3])
+    places = 1 if digits == "{:.1f}" else int(digits[3:-2])  # ("{:.4f}": 4)
     low_out, high_out = _outward(low, high, places)
     bounds = f"{digits.format(low_out)}-{digits.format(high_out)}"
     if (low > 1 and low_out <= 1.0) or (high < 1 and high_out >= 1.0):
@@ -1250,11 +1292,15 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         and threads > 1
         and _is_busy(other[0], threads, meta.get("device_type", ""), _cores(meta))
     )
+    # the run's own threads outnumbering the cores: the user's setting, so the advice
+    # follows the ratio, with the caveat (no other work to blame)
+    over = threads_over_cores(threads, _cores(meta), meta.get("device_type", ""))
     # (float32 advised where this row is slower or pays less than the seed did, by a tenth)
     advice = (slower or all(i.high < min(blog) for i in intervals)) and statistics.median(
         speed
     ) < 0.9 * min(blog)
-    if advice and not contended:
+    # (a described device: the host's speed is no advice for it, `conclusion`)
+    if advice and not contended and not meta.get("described_device"):
         untimed = _untimed_auto(meta)
         if memory and memory.endswith("less peak memory"):
             than += ": train in float32 unless memory is what you need"
@@ -1273,12 +1319,21 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         sentence += f" Also, {fits}."
     if contended:
         sentence += (
-            f" Measured with {threads} threads on cores other work was using ({other[1]}): "
-            "threads then wait for each other at every op, which may cost the shorter "
+            f" Measured with {threads} threads on cores other work was using ({other[1]})"
+            + (f", more threads than the {_cores(meta)} cores" if over else "")
+            + ": threads then wait for each other at every op, which may cost the shorter "
             "low-precision step more, so this ratio can be lower than free cores give; "
             f"--threads 1 measures what {label} itself buys"
             + (" before float32 is chosen over it" + _untimed_auto(meta) if advice else "")
             + "."
+        )
+    elif over:
+        sentence += (
+            f" Measured with {threads} threads on {_cores(meta)} cores: the run's threads "
+            "outnumber the cores, so they wait for each other at every op, which may cost the "
+            "shorter low-precision step more, so this ratio can be lower than "
+            f"{_cores(meta)} threads or fewer give; --threads 1 measures what {label} itself "
+            "buys."
         )
     return sentence
 
@@ -1310,10 +1365,18 @@ def markdown(report: BenchReport, summaries: list[Summary]) -> str:
     the max-batch search."""
     meta = report.metadata
     keep = shown_columns(summaries)
+    device = [f"- device: {meta['device']}"]
+    if described := meta.get("described_device"):  # (`assume`: it rated, the host timed)
+        device = [
+            f"- device: {meta['device']}, the host that took every step time",
+            f"- described device: {described} (mixprec.device.assume): support and "
+            "auto_precision are rated for it, not for the host; the step times are the "
+            "host's, not its",
+        ]
     lines = [
         f"# mixprec bench: {meta['model']}",
         "",
-        f"- device: {meta['device']}",
+        *device,
         f"- torch {meta['torch_version']}, mixprec {meta['mixprec_version']}"
         + (f", CUDA {meta['cuda_version']}" if meta.get("cuda_version") else ""),
         f"- started {meta['started']}, took {meta.get('elapsed_s', '?')} s; load average "

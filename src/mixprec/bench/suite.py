@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mixprec import device as devices
 from mixprec.activations import ActivationRules, check_device
 from mixprec.activations import check as check_activations
 from mixprec.activations.options import RECOMPUTE, check_option
@@ -66,6 +67,7 @@ from mixprec.hardware import (
     resolve_policy,
 )
 from mixprec.hardware.measuring import measure_rates, rate_doubts
+from mixprec.plan.budget import parse_bytes
 from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy.map import PolicyMap, is_policy_file
 from mixprec.policy.names import is_auto
@@ -90,6 +92,7 @@ __all__ = [
     "quantized",
     "run_bench",
     "size_text",
+    "threads_over_cores",
     "times_paired",
 ]
 
@@ -139,7 +142,7 @@ class BenchOptions:
             when other work keeps cores busy as the run begins (`timing.free_threads`).
         tf32: on CUDA, float32 rows with TF32 "on", "off" or "both".
         allow_slow: also time precisions rated slow on this device.
-        memory_limit: bytes a configuration may use; past it, it is reported out of memory.
+        memory_limit: bytes (or a size as typed, "2GB") a configuration may use; past it, OOM.
         max_batch: search the largest batch that fits, per precision.
         preset: "blog": the seed blog post's image size and batch sizes (for a GPU).
         float32_islands: mixed precisions with mixprec's float32 norms and softmax "on",
@@ -161,7 +164,7 @@ class BenchOptions:
     threads: int | None = None
     tf32: str | None = None
     allow_slow: bool = False
-    memory_limit: int | None = None
+    memory_limit: int | str | None = None
     max_batch: bool = False
     preset: str | None = None
     float32_islands: str = "on"
@@ -205,17 +208,24 @@ class Plan:
     # the precisions as asked for, once each, by their labels (32 or torch.float32 as 32-true)
     # and "auto" as such, not what it resolved to; None: not asked for
     given: list[str] | None = None
+    # the memory limit as typed, where it was given as text ("2GB"); None: `size_text`'s
+    memory_limit_text: str | None = None
 
     @property
     def times_low_precision(self) -> bool:
         """Whether any precision of the plan computes in a 16-bit (or narrower) dtype, or
         quantizes its matmuls (float8, the block-scaled formats)."""
-        low = (torch.float32, torch.float64)
-        return any(
-            p.compute_dtype not in low or isinstance(p, QuantizedPolicy)
-            for m in self.precisions.values()
-            for p in m.policies()
-        )
+        return _low_precision(self.precisions)
+
+
+def _low_precision(precisions: dict[str, PolicyMap]) -> bool:
+    """`Plan.times_low_precision` of these precisions."""
+    low = (torch.float32, torch.float64)
+    return any(
+        p.compute_dtype not in low or isinstance(p, QuantizedPolicy)
+        for m in precisions.values()
+        for p in m.policies()
+    )
 
 
 @dataclass
@@ -235,7 +245,7 @@ class BenchReport:
     max_batch: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def _whole_bytes(limit: float | None) -> int | None:
+def _whole_bytes(limit: object) -> int | None:
     """A memory limit as whole bytes, a plain int (the journal writes it): any integral
     number (``numpy.int64``, ``1.5 * 2**30``) as its int, a fraction of a byte refused (the
     limit caps allocations, counted in bytes), as are a bool and what is not a number."""
@@ -384,18 +394,36 @@ def _label(name: str, fp32_compute: bool, tf32: bool | None, modes: list[bool | 
 
 
 def size_text(size: int) -> str:
-    """`size` bytes as ``--memory-limit`` reads them back, in the largest unit it is a
-    whole number of: binary first ("64MiB" for 67108864, as typed), then decimal ("500MB");
-    else the bare bytes."""
+    """`size` bytes as ``--memory-limit`` reads them back, in the unit that divides them with
+    the fewest digits ("64MiB" for 67108864, "2GB" for 2000000000, as typed; binary on a
+    tie); else the bare bytes (binary units first showed "2GB" as "1953125KiB")."""
+    digits, shown = len(str(size)), str(size)
     for base, suffix in ((1024, "iB"), (1000, "B")):
         for power, prefix in ((4, "T"), (3, "G"), (2, "M"), (1, "K")):
-            if size % base**power == 0:
-                return f"{size // base**power}{prefix}{suffix}"
-    return str(size)
+            if size % base**power == 0:  # (the largest such unit of a base: its fewest digits)
+                whole = size // base**power
+                if len(str(whole)) < digits:
+                    digits, shown = len(str(whole)), f"{whole}{prefix}{suffix}"
+                break
+    return shown
 
 
-def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
-    """The explicit command that re-runs exactly these settings on this machine."""
+def _parsed_size(text: str) -> int:
+    """A memory limit given as text, in bytes, as ``--memory-limit`` reads it: a bare number
+    counts bytes, else a number and its unit (`plan.budget.parse_bytes`)."""
+    if text.strip().isdigit():
+        return int(text)
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise ValueError(f"--memory-limit: {err}") from None
+
+
+def reproduce_command(
+    opts: BenchOptions, device: torch.device, memory_limit_text: str | None = None
+) -> str:
+    """The explicit command that re-runs exactly these settings on this machine (the memory
+    limit as `memory_limit_text` where it was typed so)."""
     parts = ["mixprec", "bench", "--model", opts.model]
     if opts.preset is not None:  # the report compares with the preset's published numbers
         parts += ["--preset", opts.preset]
@@ -411,7 +439,9 @@ def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
     if opts.allow_slow:
         parts.append("--allow-slow")
     if opts.memory_limit is not None:
-        parts += ["--memory-limit", size_text(opts.memory_limit)]
+        limit = opts.memory_limit  # (text: options not yet planned, as typed too)
+        shown = limit if isinstance(limit, str) else size_text(limit)
+        parts += ["--memory-limit", memory_limit_text or shown]
     if opts.max_batch:
         parts.append("--max-batch")
     if opts.float32_islands != "on":
@@ -428,6 +458,10 @@ def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
 def plan(options: BenchOptions) -> Plan:
     """Validate `options` and list the configurations; raises ValueError on bad input."""
     opts = _resolve(options)
+    limit_text = None
+    if isinstance(opts.memory_limit, str):  # (kept as typed for the command and the notes)
+        limit_text = opts.memory_limit.strip()
+        opts = replace(opts, memory_limit=_parsed_size(limit_text))
     opts = replace(opts, memory_limit=_whole_bytes(opts.memory_limit))
     for name, value, minimum in (
         ("--steps", opts.steps, 1),
@@ -513,7 +547,11 @@ def plan(options: BenchOptions) -> Plan:
                         configs.append(
                             Config(label, name, batch, tf32, raw, island, opts.compile, option)
                         )
-    command = reproduce_command(opts, device)
+    # (a described device, `assume`, rated what runs; its command runs on the host, whose own
+    # ratings may call slow a low precision the description calls fast, and refuse it)
+    described = assumed(device.type) and _low_precision(policies)
+    ran = replace(opts, allow_slow=True) if described else opts
+    command = reproduce_command(ran, device, limit_text)
     return Plan(
         opts,
         device,
@@ -526,6 +564,7 @@ def plan(options: BenchOptions) -> Plan:
         threads_note,
         None if busy is None else round(busy, 2),
         given if options.precisions is not None else None,
+        limit_text,
     )
 
 
@@ -611,7 +650,7 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
             precisions=[*(p.options.precisions or []), *names],
             allow_slow=p.options.allow_slow or slow,
         )
-        return reproduce_command(anyway, p.device)
+        return reproduce_command(anyway, p.device, p.memory_limit_text)
 
     # the fast ones first; the slow ones (whose cost the report estimates) by their own command
     runnable = fast or others
@@ -689,16 +728,30 @@ def _describe(info: DeviceInfo, threads: int) -> str:
         return info.describe()
 
 
+def _host(device: torch.device) -> DeviceInfo:
+    """The device the steps run on: `detect`'s, the host's under `assume` too (a described
+    device rates the precisions, and runs nothing)."""
+    if not assumed(device.type):
+        return detect(device)
+    # (`detect` less the assumption: mixprec.device has no public lookup of the host then)
+    caps = tuple(os.environ.get(var) for var in devices._ISA_VARS)
+    return devices._detect(device.type, device.index, caps)
+
+
 def metadata(p: Plan) -> dict[str, Any]:
     """Environment and settings recorded with the results."""
     info = detect(p.device)
     o = p.options
     load, cores = _load_average(), os.cpu_count() or 1
+    described = assumed(p.device.type)
     return {
         "mixprec_version": __version__,
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda,
-        "device": _describe(info, o.threads or 1),
+        # the machine that took the step times; under `assume`, the described one apart:
+        # it rated the precisions (support, auto_precision), and timed nothing
+        "device": _describe(_host(p.device), o.threads or 1),
+        "described_device": _describe(info, o.threads or 1) if described else None,
         "device_type": p.device.type,
         "model": o.model,
         "image_size": o.image_size if o.model == "cnn" else None,
@@ -713,6 +766,7 @@ def metadata(p: Plan) -> dict[str, Any]:
         "threads": o.threads,
         "threads_note": p.threads_note,
         "memory_limit": o.memory_limit,
+        "memory_limit_text": p.memory_limit_text,
         "float32_islands": o.float32_islands,
         "compile": o.compile,
         "activations": o.activations,
@@ -740,8 +794,17 @@ def _busy_measure(p: Plan, load: list[float] | None) -> float | None:
 def cores_shared(load: float | None, threads: int, cores: int, device_type: str) -> bool:
     """Whether other work keeping `load` of `cores` CPU cores busy leaves fewer free than a
     run's `threads` (with half a core to spare): its threads then wait for each other at
-    each parallel op, and single steps slow down at random. Never on a GPU."""
-    return device_type == "cpu" and load is not None and load > cores - threads + 0.5
+    each parallel op, and single steps slow down at random. Never on a GPU. Threads that
+    outnumber the cores on their own (`threads_over_cores`) are not other work: an idle
+    machine's load 0 was taken for it (above 2 - 4 + 0.5)."""
+    free = max(cores - threads, 0)
+    return device_type == "cpu" and load is not None and load > free + 0.5
+
+
+def threads_over_cores(threads: int, cores: int, device_type: str) -> bool:
+    """Whether a CPU run's own `threads` outnumber the `cores`: they then wait for each
+    other at each parallel op, other work or none."""
+    return device_type == "cpu" and threads > cores
 
 
 def times_paired(p: Plan) -> bool:
