@@ -472,6 +472,27 @@ def test_multihead_attentions_own_softmax_is_stored_as_a_softmaxs(option):
     assert ((stored - exact).norm() / exact.norm()).item() < 0.006
 
 
+def test_multihead_attention_stays_visible_to_a_users_torch_function_mode():
+    """Found by a review: entering nn.MultiheadAttention's functional form (torch's
+    redispatch) skipped every torch function mode and tensor subclass for that call, so a
+    user's mode replacing or counting it saw it under ``bf16``/``fp8`` no more. It is entered
+    only where nothing else would see the call."""
+    seen = []
+
+    class Counting(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.multi_head_attention_forward:
+                seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True)
+    model = mixprec.apply(Attend(mha), mixprec.PolicyMap("32-true", activations="fp8"))
+    with Counting():
+        model(torch.randn(2, 8, 16)).sum().backward()
+    assert len(seen) == 1
+
+
 class Attend(nn.Module):
     def __init__(self, mha: nn.MultiheadAttention) -> None:
         super().__init__()

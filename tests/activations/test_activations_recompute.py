@@ -670,6 +670,29 @@ def test_a_block_recomputed_inside_a_storing_parent_recomputes_from_its_exact_in
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("parent", ["bf16", "fp8"])
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_self_attention_recomputed_inside_a_storing_parent_sees_one_input(parent, option):
+    """Found by a review: nn.MultiheadAttention recomputed inside a bf16 or fp8 parent
+    failed its backward (torch's "Recomputed values ... have different metadata"): the
+    checkpoint saved the input passed as query, key and value three times through the
+    parent's hooks and handed back three tensors, so the recomputation took ``query is
+    key`` false and projected them apart, where the forward had packed one projection.
+    Each tensor goes to the checkpoint once: the gradients are those of the attention
+    kept inside the same parent, bit for bit."""
+    x = torch.randn(3, 12, 32)
+    grads = {}
+    for name in ("keep", "nested"):
+        activations = {"": parent, "self_attn": option if name == "nested" else "keep"}
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        model = mixprec.Precision("32-true", activations=activations).setup(layer)
+        model(x).sum().backward()
+        grads[name] = [p.grad for p in model.self_attn.parameters()]
+    for a, b in zip(grads["keep"], grads["nested"], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("mode", ["checkpoint", "selective"])
 def test_a_size_argument_reaches_the_recomputation_as_a_size(mode):
     """Arguments are flattened to pass their tensors to the checkpoint; a torch.Size came

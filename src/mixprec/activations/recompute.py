@@ -168,11 +168,18 @@ class _Leaves:
         inner: tuple[tuple[int, tuple[torch.Tensor, ...]], ...],
     ) -> None:
         self.leaves, self.spec, self.where, self.inner = leaves, spec, where, inner
-        # the tensors the checkpoint is given, in its order
-        self.originals = [leaves[i] for i in where] + [t for _, ts in inner for t in ts]
+        every = [leaves[i] for i in where] + [t for _, ts in inner for t in ts]
+        # the tensors the checkpoint is given, in its order, each once: it hands each saved
+        # one back as a tensor of its own, and a tensor passed twice must come back as one
+        # (nn.MultiheadAttention projects ``query is key`` packed, else each apart: other
+        # saves, which the checkpoint refuses); `slots`: each of `every`'s among them
+        first: dict[int, int] = {}
+        self.slots = [first.setdefault(id(t), len(first)) for t in every]
+        self.originals = list({id(t): t for t in every}.values())
 
     def rebuilt(self, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
         """(args, kwargs) around ``tensors`` (the checkpoint's, in the order of `originals`)."""
+        tensors = tuple(tensors[s] for s in self.slots)
         filled = list(self.leaves)
         for i, t in zip(self.where, tensors, strict=False):
             filled[i] = t

@@ -467,7 +467,7 @@ class _SavesByFunction(TorchFunctionMode):
             # one function run for the next, a tanh's branch for a clamp's: KeyError)
             return func(*args, **kwargs)
         norm = None
-        if func is _MHA and _REDISPATCH is not None:
+        if func is _MHA and _enterable(types):
             codec = _innermost_codec()
             if codec is None or codec.name not in ("bf16", "fp8"):
                 return func(*args, **kwargs)
@@ -507,6 +507,17 @@ class _SavesByFunction(TorchFunctionMode):
             hooks = NearOne(codec, signed=_NEAR_ONE_OUTPUTS[_op(func)])
         with saved_tensors_hooks(hooks.pack, hooks.unpack):
             return func(*args, **kwargs)
+
+
+def _enterable(types: Any) -> bool:
+    """Whether nn.MultiheadAttention's functional form can be entered by `_REDISPATCH`:
+    with torch 2.13 or later, and only where no other torch function mode and no tensor
+    subclass would see the call (redispatching skips them all for it)."""
+    return (
+        _REDISPATCH is not None
+        and torch._C._len_torch_function_stack() == 0
+        and all(t in (Tensor, nn.Parameter) for t in types)
+    )
 
 
 def _innermost_codec() -> Codec | None:
