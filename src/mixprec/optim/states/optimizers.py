@@ -490,7 +490,7 @@ class LowBitOptimizer(StateCheckpoint):
             for entry in params:
                 # (a (name, parameter) pair, as ``named_parameters()`` gives: its parameter;
                 # a tied weight listed under both names with ``remove_duplicate=False``)
-                p = entry[1] if isinstance(entry, tuple) and len(entry) == 2 else entry
+                p = entry[1] if isinstance(entry, tuple) and len(entry) >= 2 else entry
                 if torch.is_tensor(p) and id(p) in seen:
                     raise ValueError(
                         f"a parameter group of {type(self).__name__} lists a parameter of shape "
