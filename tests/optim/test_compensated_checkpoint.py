@@ -382,6 +382,63 @@ def test_a_state_saved_under_a_wrapper_prefix_resumes_by_name(saved_prefix):
         assert _identical(got[key], value), key
 
 
+class _Tied(nn.Module):
+    """GPT-2's tying: the head's weight is the embedding's, one parameter of two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.h = nn.Embedding(8, 4), nn.Linear(4, 4)
+        self.lm_head = nn.Linear(4, 8, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, x):
+        return self.lm_head(self.h(self.wte(x)))
+
+
+def test_a_tied_parameter_named_once_on_one_side_matches_its_names_on_the_other():
+    """Found by a diff review: a torch optimizer built from named_parameters() names a tied
+    parameter once (``wte.weight``), a LossScaleOptimizer with ``model=`` by both owners;
+    compared as whole sets of names, the load was refused as another model's, both ways."""
+    torch.manual_seed(0)
+    model = _Tied()
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    model(torch.tensor([1, 2, 3])).square().mean().backward()
+    opt.step()
+    other = _Tied()
+    other.load_state_dict(model.state_dict())
+    lso = LossScaleOptimizer(torch.optim.AdamW(other.parameters(), lr=1e-2), model=other)
+    lso.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for name, p in model.named_parameters():
+        assert torch.equal(lso.state[other.get_parameter(name)]["exp_avg"], opt.state[p]["exp_avg"])
+    back = LossScaleOptimizer(torch.optim.AdamW(_Tied().named_parameters(), lr=1e-2))
+    back.load_state_dict(copy.deepcopy(lso.state_dict()))  # (and the other way)
+
+
+def test_names_under_another_prefix_on_each_side_match():
+    """Found by a diff review: a state saved through DDP (``module.q.weight``) and loaded
+    with ``model=`` a holder of the same network (``net.q.weight``) was refused: a prefix was
+    stripped on one side only."""
+
+    class Holder(nn.Module):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    saved_under = Holder(net)
+    saved_under.module = saved_under.net
+    del saved_under.net
+    opt = LossScaleOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), model=saved_under)
+    opt.backward(net(torch.randn(2, 4)).square().sum())
+    opt.step()
+    again = copy.deepcopy(net)
+    fresh = LossScaleOptimizer(torch.optim.AdamW(again.parameters(), lr=1e-2), model=Holder(again))
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for (_, p), q in zip(net.named_parameters(), again.parameters(), strict=True):
+        assert torch.equal(fresh.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+
+
 def test_a_state_moved_across_precisions_gives_each_parameter_its_own_moments():
     """Found by a review (restores by name): load_state_dict_across_precisions took the
     masters by name but the optimizer's state by position: into a model whose same-shaped

@@ -484,42 +484,59 @@ def _unwrapped(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
-def _prefix_strip(ours: set[str], theirs: set[str]) -> int | None:
-    """The length of a prefix (ending at a ".") on all of ``ours`` that, stripped, leaves
-    ``theirs`` (DDP's ``module.``, a LightningModule's attribute), None without one."""
-    first = next(iter(ours), "")
-    ends = [i + 1 for i, c in enumerate(first) if c == "."]
-    for end in ends:
-        prefix = first[:end]
-        if all(n.startswith(prefix) for n in ours) and {n[end:] for n in ours} == theirs:
-            return end
-    return None
+def _common_prefix(names: set[str]) -> int:
+    """The length of the longest dotted prefix every one of ``names`` starts with, leaving
+    each a name of its own (DDP's ``module.``, a holder's attribute), 0 without one."""
+    parts = [n.split(".") for n in names]
+    if not parts:
+        return 0
+    depth = min(len(p) for p in parts) - 1
+    k = 0
+    while k < depth and len({p[k] for p in parts}) == 1:
+        k += 1
+    return sum(len(x) + 1 for x in parts[0][:k])
+
+
+def _matched(saved: list[set[str]], here: list[set[str]]) -> list[int] | None:
+    """For each parameter ``here``, the position of the saved one sharing a name with it
+    (a tied parameter may be named once on one side, by each owner on the other), where
+    that is one saved parameter each and each saved one is matched once; else None."""
+    index: dict[str, int] = {}
+    for j, names in enumerate(saved):
+        for n in names:
+            if index.setdefault(n, j) != j:
+                return None
+    perm = []
+    for names in here:
+        found = {index[n] for n in names if n in index}
+        if len(found) != 1:
+            return None
+        perm.append(found.pop())
+    return perm if sorted(perm) == list(range(len(saved))) else None
 
 
 def _by_name(saved: list[list[str]], here: list[list[str]]) -> list[int] | None:
     """For each parameter ``here`` (its names, by position), the position of the saved one
-    of the same names (the same set: a shared parameter has several), or None where names
-    are unknown (one without) or not one parameter's each. Names that differ only by a
-    wrapper's parts (`_WRAPPER_PARTS`, anywhere) or a prefix on every name of one side
+    it shares a name with (`_matched`), or None where names are unknown (one without).
+    Names that differ only by a wrapper's parts (`_WRAPPER_PARTS`, anywhere) or by a prefix
+    on every name of a side (DDP's ``module.``, a holder's attribute), on one side or both,
     match without them; others are another model's: refused, naming some."""
     if not (_names_list(saved) and _names_list(here)) or any(
-        len(set(map(frozenset, s))) < len(s) for s in (saved, here)
+        len({n for names in side for n in names}) < sum(map(len, side)) for side in (saved, here)
     ):
-        return None
+        return None  # (a name given to two parameters: by position, as before)
+    saved_bare = [{_unwrapped(n) for n in names} for names in saved]
+    here_bare = [{_unwrapped(n) for n in names} for names in here]
+    cut_saved = _common_prefix(set().union(*saved_bare))
+    cut_here = _common_prefix(set().union(*here_bare))
+    for a, b in ((0, 0), (cut_saved, 0), (0, cut_here), (cut_saved, cut_here)):
+        perm = _matched(
+            [{n[a:] for n in s} for s in saved_bare], [{n[b:] for n in h} for h in here_bare]
+        )
+        if perm is not None:
+            return perm
     saved_all = {n for names in saved for n in names}
     here_all = {n for names in here for n in names}
-    plain = _unwrapped
-    cut_saved = cut_here = 0
-    if saved_all != here_all:
-        saved_bare, here_bare = {plain(n) for n in saved_all}, {plain(n) for n in here_all}
-        if saved_bare != here_bare:
-            cut_saved = _prefix_strip(saved_bare, here_bare) or 0
-            cut_here = 0 if cut_saved else _prefix_strip(here_bare, saved_bare) or 0
-    keys_saved = [frozenset(plain(n)[cut_saved:] for n in names) for names in saved]
-    keys_here = [frozenset(plain(n)[cut_here:] for n in names) for names in here]
-    where = {key: j for j, key in enumerate(keys_saved)}
-    if len(where) == len(keys_saved) == len(set(keys_here)) and where.keys() == set(keys_here):
-        return [where[key] for key in keys_here]
     missing = sorted(saved_all - here_all)
     extra = sorted(here_all - saved_all)
     found = [
@@ -531,8 +548,8 @@ def _by_name(saved: list[list[str]], here: list[list[str]]) -> list[int] | None:
     raise ValueError(
         f"the checkpoint's optimizer state was saved for other parameters than this "
         f"optimizer's ({len(saved)} there, {len(here)} here): {'; '.join(found)}. It belongs "
-        "to another model: its states are restored by name (a prefix a wrapper adds to every "
-        "name, as DDP's 'module.' or torch.compile's '_orig_mod.', aside). Nothing was loaded"
+        "to another model: its states are restored by name (a prefix on every name of a "
+        "side, as DDP's 'module.', or torch.compile's '_orig_mod.' aside). Nothing was loaded"
     )
 
 
