@@ -666,6 +666,21 @@ class FlatLM(nn.Module):
         return self.out(F.gelu(self.mlp(self.emb(ids)))).flatten(0, 1)
 
 
+def test_batch_size_leaves_tensors_shared_by_the_rows_as_they_are() -> None:
+    """Found by a diff review: a tensor whose first dimension was the rows times a row's
+    positions was resized per row whatever it was: with one row, a causal mask ``[T, T]``
+    or position ids ``[T]`` beside ids ``[1, T]``; with sizes that coincide, a bias of 6
+    beside images ``[2, 3, 8, 8]``; the search then failed. Only a flat tensor beside
+    integer ids ``[N, T]``, N above 1, is taken for per-token targets."""
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    one = batch_at({"ids": ids, "mask": torch.ones(8, 8), "pos": torch.arange(8)}, 3)
+    assert one["ids"].shape == (3, 8) and one["mask"].shape == (8, 8) and one["pos"].shape == (8,)
+    images = batch_at((torch.randn(2, 3, 8, 8), torch.zeros(2), torch.randn(6)), 6)
+    assert [tuple(t.shape) for t in images] == [(6, 3, 8, 8), (6,), (6,)]
+    flat = batch_at((torch.zeros(2, 4, dtype=torch.long), torch.arange(8)), 3)
+    assert flat[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # (rows 0, 1, 0)
+
+
 def test_batch_size_resizes_flat_per_token_targets_and_names_what_it_left() -> None:
     """Found by a review: ``batch_size`` repeated only the tensors leading with the first
     tensor's rows: a batch ``(ids [N, T], targets [N * T])`` failed in the loss with

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -237,3 +238,27 @@ def test_a_solved_plan_over_the_byte_limit_gives_way_to_a_frozen_one_only_by_the
     assert winner(0.995) == "all bf16-true"  # within the tolerance: noise
     assert winner(0.98) == "all int8_from_32-true"
     assert winner(0.995, count="weights") == "all int8_from_32-true"
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_an_overflowed_plan_never_wins_the_fallback(bad):
+    """Found by a diff review: when the solved plan was over the limit, the first fitting
+    plan (the one training most) was taken whatever its loss, inf or NaN: an overflowed
+    plan returned. A loss that is not finite never wins; no measured plan fits then."""
+    unit = Unit(paths=("0",), kinds=("Linear",), params=10)
+    formats = {"32-true": Option(100), "16-true": Option(50), "int8_from_32-true": Option(30)}
+    rows = [UnitRow(unit=unit, options=formats)]
+    for count in ("training", "weights"):
+        s = SimpleNamespace(base=as_policy("32-true"), names=list(formats), tolerance=0.01)
+        s.count = count
+        names = ("plan", "baseline", "all 16-true", "all int8_from_32-true")
+        v = Verified(plans={n: PolicyMap("32-true") for n in names})
+        v.measured = {
+            "plan": Measured(0.9, 90, 90, 1.0, trainable=10),  # (over the limit)
+            "baseline": Measured(1.0, 100, 100, 1.0, trainable=10),  # (over)
+            "all 16-true": Measured(bad, 50, 50, 1.0, trainable=10),  # (fits, overflowed)
+            "all int8_from_32-true": Measured(1.0, 85, 85, 1.0, trainable=5),  # (over)
+        }
+        v.best = Attempt(chosen=["32-true"], loss=0.9, gap=-0.1, predicted=0.0)
+        keep(s, rows, v, {"memory": 80.0}, {"verify": 0.0})
+        assert v.winner is None and "no measured plan fits" in v.best.note

@@ -103,9 +103,9 @@ def find_blocks(model: nn.Module) -> list[str]:
 
 def batch_at(batch: Any, size: int) -> Any:
     """`batch` with `size` rows: every tensor whose first dimension is the batch's (the first
-    tensor's, ``n``) takes rows ``0, 1, ..., n-1, 0, 1, ...`` of it, and so, per row, does one
-    whose first dimension is ``n`` times the positions a row of such a tensor holds (flat
-    per-token targets ``[n * T]`` beside ids ``[n, T]``); other values stay (`batch_left`)."""
+    tensor's, ``n``) takes rows ``0, 1, ..., n-1, 0, 1, ...`` of it, and so, per row, does a
+    flat one of ``n * T`` elements beside integer ids ``[n, T]`` (per-token targets), ``n``
+    above 1; other values stay (`batch_left`): a mask ``[T, T]``, position ids ``[T]``."""
     leading = batch_rows(batch)
     if leading is None:
         raise ValueError(
@@ -118,7 +118,7 @@ def batch_at(batch: Any, size: int) -> Any:
     def resized(value: Any) -> Any:
         if isinstance(value, Tensor) and value.dim() and value.shape[0] == leading:
             return value[index.to(value.device)]
-        if isinstance(value, Tensor) and value.dim() and value.shape[0] in per_row:
+        if isinstance(value, Tensor) and value.dim() == 1 and value.shape[0] in per_row:
             k, rest = value.shape[0] // leading, value.shape[1:]
             rows = value.reshape(leading, k, *rest)[index.to(value.device)]
             return rows.reshape(size * k, *rest)
@@ -143,14 +143,20 @@ def _tensors(value: Any, where: str = "batch") -> list[tuple[str, Tensor]]:
 
 
 def _per_row(batch: Any, leading: int) -> set[int]:
-    """The first dimensions a tensor flattening the rows' positions has: ``leading`` times
-    the positions of a row (``T``, ``T * H``, ...) of a tensor leading with the rows."""
-    sizes = set()
-    for _, t in _tensors(batch):
-        if t.dim() > 1 and t.shape[0] == leading:
-            for d in range(2, t.dim() + 1):
-                sizes.add(leading * t.shape[1:d].numel())
-    return {n for n in sizes if n > leading}
+    """The sizes of flat per-token tensors beside integer ids ``[leading, T]``: ``leading *
+    T``. None with one row (then ``[T]`` may as well be position ids, shared by the rows)
+    nor beside other tensors (``[2, 3, 8, 8]`` images beside a bias of 6)."""
+    if leading < 2:
+        return set()
+    return {
+        leading * t.shape[1]
+        for _, t in _tensors(batch)
+        if t.dim() == 2
+        and t.shape[0] == leading
+        and not t.is_floating_point()
+        and not t.is_complex()
+        and t.shape[1] > 1
+    }
 
 
 def batch_left(batch: Any, size: int) -> str | None:

@@ -461,6 +461,9 @@ def _uniform_winner(
     fitting.sort(key=lambda f: -(f[1].trainable or 0))
     winner, held = None, None if any_loss else verified["plan"]
     for name, measured, formats in fitting:
+        # (a loss that is not finite never wins: an overflowed plan is no plan)
+        if not math.isfinite(measured.loss):
+            continue
         if held is None or _beats(measured, held, margin):
             winner, held = (name, formats), measured
     return winner
