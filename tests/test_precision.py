@@ -335,3 +335,36 @@ def test_a_forward_context_entered_again_while_entered_restores_on_the_outer_exi
 
     assert walk(2).dtype == torch.bfloat16
     assert not torch.is_autocast_enabled("cpu") and config.backward_pass_autocast == before
+
+
+def test_a_forward_context_entered_by_two_threads_at_once_pairs_each_exit_with_its_entry():
+    """Found by a diff review: the entries of one forward_context object (a decorator) were
+    one stack for all threads: thread A entering, B entering, A leaving, B leaving, each
+    exit restored the other's entry, and B was left with A's float16 autocast on."""
+    import threading
+
+    ctx = Precision("bf16-mixed", allow_slow=True).forward_context()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a() -> None:
+        with torch.autocast("cpu", dtype=torch.float16):  # (A's own autocast around)
+            with ctx:
+                a_in.set()
+                b_in.wait(10)
+            seen["a"] = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+            a_out.set()
+
+    def b() -> None:
+        a_in.wait(10)
+        with ctx:
+            b_in.set()
+            a_out.wait(10)
+        seen["b"] = torch.is_autocast_enabled("cpu")
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == {"a": (True, torch.float16), "b": False}

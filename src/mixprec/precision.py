@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -86,16 +87,28 @@ class BackwardOutsideAutocast:
     __slots__ = ("entered",)
 
     def __init__(self) -> None:
-        self.entered: list[Callable[[], None] | None] = []
+        self.entered = _Entries()  # (of `Callable[[], None] | None`, per thread)
 
     def __enter__(self) -> None:
         compiling = torch.compiler.is_compiling()
-        self.entered.append(None if compiling else backward_outside_autocast())
+        self.entered.stack.append(None if compiling else backward_outside_autocast())
 
     def __exit__(self, *exc: Any) -> None:
-        restore = self.entered.pop()
+        restore = self.entered.stack.pop()
         if restore is not None:
             restore()
+
+
+class _Entries(threading.local):
+    """A context's entries still open, per thread: one object (a decorator) entered by two
+    threads at once pairs each exit with its own thread's entry. Copied and pickled empty
+    (what is entered is a thread's, not the object's)."""
+
+    def __init__(self) -> None:
+        self.stack: list[Any] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Entries, ())
 
 
 class ForwardAutocast(contextlib.ContextDecorator):
@@ -114,23 +127,24 @@ class ForwardAutocast(contextlib.ContextDecorator):
 
     def __init__(self, autocast: torch.autocast) -> None:
         self.autocast = autocast
-        # (per entry: its autocast and what restores the setting; the first uses `autocast`)
-        self.entered: list[tuple[torch.autocast, Callable[[], None] | None]] = []
+        # (per entry, per thread: its autocast, a copy of `autocast`, and what restores the
+        # setting; torch.autocast keeps its entry's state on itself)
+        self.entered = _Entries()
 
     def __enter__(self) -> Any:
-        autocast = copy.copy(self.autocast) if self.entered else self.autocast
+        autocast = copy.copy(self.autocast)
         restore = None if torch.compiler.is_compiling() else backward_outside_autocast()
-        self.entered.append((autocast, restore))
+        self.entered.stack.append((autocast, restore))
         try:
             return autocast.__enter__()
         except BaseException:
-            self.entered.pop()
+            self.entered.stack.pop()
             if restore is not None:
                 restore()
             raise
 
     def __exit__(self, *exc: Any) -> Any:
-        autocast, restore = self.entered.pop()
+        autocast, restore = self.entered.stack.pop()
         try:
             return autocast.__exit__(*exc)
         finally:
