@@ -968,3 +968,33 @@ def test_a_tie_split_by_the_units_not_the_rules_is_told_so():
     with pytest.raises(PolicySpecError, match="their rules differ"):
         _check_units_apart(model, units(model, ruled, wrap=lambda name, m: False))
     _check_units_apart(model, units(model, "32-true", wrap=lambda name, m: False))
+
+
+class _Masked(nn.Module):
+    """A layer adding an additive mask kept at float32's lowest value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        mask = torch.zeros(4)
+        mask[2:] = torch.finfo(torch.float32).min
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        return self.lin(x) + self.mask
+
+
+def test_a_full_checkpoint_loaded_after_shard_keeps_a_lowest_value_mask_finite(one_rank):
+    """Found by a diff review: a float32 checkpoint loaded into a sharded bf16-true model
+    (``set_model_state_dict(full_state_dict=True)``, FSDP2's usual order: shard, then
+    load) turned a mask at float32's lowest value into -inf, as a load after `apply` did
+    before its hook: shard registers the same cast on loads."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Masked(), _Masked())
+    saved = copy.deepcopy(model.state_dict())
+    model = shard(model, "bf16-true", allow_slow=True)
+    set_model_state_dict(model, saved, options=StateDictOptions(full_state_dict=True))
+    lowest = torch.finfo(torch.bfloat16).min
+    assert model[0].mask.dtype == torch.bfloat16 and model[0].mask.min().item() == lowest

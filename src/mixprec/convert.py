@@ -64,6 +64,7 @@ __all__ = [
     "check_scales",
     "default_dtype",
     "explain",
+    "hook_loads",
     "needs_default_dtype",
     "remove",
 ]
@@ -1029,11 +1030,11 @@ def _load_cast(
     local_metadata: dict[str, Any],
     *_: Any,
 ) -> None:
-    """A converted module's ``load_state_dict`` pre-hook (`apply` registers it, `remove`
-    takes it off): a floating value loaded into a narrower tensor of the module is cast as
-    `apply` casts: a buffer by `_cast` (a float32 mask's lowest value stays finite, not the
-    -inf a plain copy made), a parameter as it is; finite values made infinities are warned
-    of. Torch's ``assign=True`` takes the checkpoint's tensors as they are."""
+    """A converted module's ``load_state_dict`` pre-hook (`apply` and `sharding.shard`
+    register it, `remove` takes it off): a floating value loaded into a narrower tensor of
+    the module is cast as `apply` casts: a buffer by `_cast` (a float32 mask's lowest value
+    stays finite, not the -inf a plain copy made), a parameter as it is; finite values made
+    infinities are warned of. Torch's ``assign=True`` takes the checkpoint's tensors as they are."""
     if local_metadata.get("assign_to_params_buffers"):
         return
     lost: list[tuple[str, torch.dtype, int, float]] = []
@@ -1057,7 +1058,7 @@ def _load_cast(
     _warn_lost(lost, "load_state_dict stores")
 
 
-def _hook_loads(model: nn.Module) -> None:
+def hook_loads(model: nn.Module) -> None:
     """Register `_load_cast` on each module of ``model`` holding floating tensors, once."""
     for module in model.modules():
         hooks = module._load_state_dict_pre_hooks.values()
@@ -1226,7 +1227,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
             raise
         resolved = _after_swap(model, resolved)
     _convert(dtype_plan(model, resolved), {id(m): n for n, m in model.named_modules()})
-    _hook_loads(model)  # (a checkpoint loaded after apply is cast as apply casts)
+    hook_loads(model)  # (a checkpoint loaded after apply is cast as apply casts)
     _install_regions(model, resolved)
     if pmap.activations is not None:  # outside the regions
         install_activations(model, pmap.activation_choices(model))

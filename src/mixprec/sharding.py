@@ -31,6 +31,7 @@ from mixprec.convert import (
     cast_floating,
     check_scales,
     device_slow_attention,
+    hook_loads,
     install_attention_islands,
     sharded_units,
     warn_unmatched,
@@ -525,6 +526,7 @@ def shard(
                     continue
                 if b.dtype != stored:
                     cast_buffer(module, key, stored, casts, done)
+    hook_loads(model)  # (a full checkpoint loaded after: cast as these were, masks finite)
     # each unit in its own compute dtype under an autocast its caller enters (innermost)
     modules = dict(model.named_modules())
     for name, unit_policy in plan.items():
