@@ -182,7 +182,7 @@ def test_metric_store_means_per_step_and_weighted_per_epoch():
         store.log("x", torch.zeros(2))
     with pytest.raises(ValueError, match="both False"):
         store.log("x", 1.0, on_step=False, on_epoch=False)
-    with pytest.raises(ValueError, match="needs a number"):
+    with pytest.raises(ValueError, match="needs a real number"):
         store.log("x", "1")
 
 
