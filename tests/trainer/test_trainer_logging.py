@@ -1281,13 +1281,33 @@ def test_a_filename_field_not_logged_yet_is_filled_with_nan(tmp_path):
     train = DataLoader(data(32), batch_size=8)  # 4 steps an epoch, validation at its end
     with pytest.warns(UserWarning) as caught:
         trainer.fit(Model(), train, DataLoader(data(16), batch_size=8))
-    said = [str(w.message) for w in caught if "not logged yet" in str(w.message)]
+    said = [str(w.message) for w in caught if "is not logged" in str(w.message)]
     assert len(said) == 2 and "'val_loss'" in said[0] and "'later'" in said[1]
     names = sorted(p.name for p in tmp_path.glob("*.ckpt"))
     assert len(names) == 4 and names[0] == "0-2-nan-nan.ckpt"
     # the step-4 save comes after the epoch's validation: val_loss is logged from then on
     assert [n[:4] for n in names[1:]] == ["0-4-", "1-6-", "1-8-"]
     assert all(n.endswith("-nan.ckpt") and "-nan-" not in n for n in names[1:])
+
+
+def test_a_filename_field_of_a_name_with_a_slash_is_filled_as_written(tmp_path):
+    """Found by a diff review: a metric logged as ``val/loss`` filled ``{val_loss}`` only:
+    ``{val/loss:.2f}`` was taken for a metric not logged yet and every file was named
+    ``nan`` (before the nan fill, the first save raised)."""
+
+    class Slashed(Model):
+        def validation_step(self, batch, batch_idx):
+            self.log("val/loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    saves = ModelCheckpoint(tmp_path, filename="{epoch}-{val/loss:.2f}-{val_loss:.2f}")
+    trainer = Trainer(
+        max_epochs=1, callbacks=[saves], logger=False, enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(Slashed(), DataLoader(data(16), batch_size=8), DataLoader(data(16), batch_size=8))
+    (name,) = [p.name for p in tmp_path.glob("*.ckpt")]
+    shown = f"{float(trainer.callback_metrics['val/loss']):.2f}"
+    assert name == f"0-{shown}-{shown}.ckpt"
 
 
 class Scripted(TrainingModule):

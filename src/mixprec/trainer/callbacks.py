@@ -409,9 +409,10 @@ class ModelCheckpoint(Callback):
 
     def _path_for(self, trainer: Trainer) -> Path:
         directory = self._directory()
-        fields: dict[str, Any] = {
-            k.replace("/", "_"): v for k, v in trainer.callback_metrics.items()
-        }
+        metrics = trainer.callback_metrics
+        # (a name with "/" fills its field as written and with "_" for it)
+        fields: dict[str, Any] = {k.replace("/", "_"): v for k, v in metrics.items()}
+        fields.update(metrics)
         fields.update(epoch=trainer.current_epoch, step=trainer.global_step)
         # a metric not logged yet (val_loss at a step save before the first validation) is
         # NaN, warned once a fit: a save that dies on its name would end the fit there
@@ -421,9 +422,10 @@ class ModelCheckpoint(Callback):
             fields[field] = _Unlogged()
             if field not in self._unfilled and trainer.is_global_zero:
                 warnings.warn(
-                    f"ModelCheckpoint filename {self.filename!r}: {field!r} is not logged yet "
+                    f"ModelCheckpoint filename {self.filename!r}: {field!r} is not logged "
                     f"(logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}); "
-                    "filled with nan until it is",
+                    "filled with nan until it is: a validation metric before the first "
+                    "validation, or a name misspelled",
                     stacklevel=2,
                 )
             self._unfilled.add(field)
